@@ -1,0 +1,29 @@
+"""skipkv: batched LLM generation with a compressed KV cache.
+
+    from skipkv import load_model, generate, SamplingParams, make_policy
+    bundle = load_model("random:qwen2")
+    out = generate(bundle, ["Hello"], SamplingParams(max_new_tokens=20), make_policy("rkv", budget=64))
+"""
+
+from skipkv.errors import SkipKVError
+
+__version__ = "0.1.0"
+
+__all__ = ["SkipKVError", "SamplingParams", "generate", "load_model", "make_policy", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import skipkv` (and `skipkv --help`) does not pay for torch + transformers.
+    if name == "load_model":
+        from skipkv.models import load_model
+
+        return load_model
+    if name in ("generate", "SamplingParams"):
+        from skipkv import engine
+
+        return getattr(engine, name)
+    if name == "make_policy":
+        from skipkv.policies import make_policy
+
+        return make_policy
+    raise AttributeError(name)
