@@ -1,0 +1,123 @@
+"""The `skipkv` attention backend, registered with transformers' `AttentionInterface`.
+
+HF attention layers compute q/k/v and RoPE, write k/v through `SlotCache.update`, then call this function with
+views of the request slots. We build the mask from each slot's own length (padding never costs budget), run
+attention with GQA (no repeated keys are materialised), and let policies observe what they declared:
+recent queries (`QueryBuffer`) and accumulated attention (store aux "attn", for H2O).
+
+    with attention_backend(model): model.model(..., cache=slot_cache, skipkv_ctx=ctx)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from skipkv.cache.store import KVStore
+
+BACKEND = "skipkv"
+
+
+class QueryBuffer:
+    """The last W post-RoPE queries of every request and layer (a ring indexed by true position % W).
+
+    q: [L, S, Hq, W, D]; qpos: [S, W] true position of each buffered query (-1 = empty).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_heads: int, window: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.window = window
+        self.q = torch.zeros(num_layers, num_slots, num_heads, window, head_dim, dtype=dtype, device=device)
+        self.qpos = torch.full((num_slots, window), -1, dtype=torch.long, device=device)
+
+    def write(self, layer: int, start: int, q: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> None:
+        """Record the last W real queries of rows [start, start+B). q: [B, Hq, T, D]; positions [B, T]; real [B]."""
+        B, _, T, _ = q.shape
+        W = self.window
+        t = real.to(q.device)[:, None] - W + torch.arange(W, device=q.device)  # [B, W] token index in this chunk
+        valid = t >= 0
+        t = t.clamp(min=0)
+        rows = torch.arange(B, device=q.device)[:, None].expand(B, W)[valid]
+        tok = t[valid]
+        pos = positions.gather(1, t)[valid]
+        ring = pos % W
+        self.q[layer, start + rows, :, ring] = q[rows, :, tok]
+        if layer == 0:
+            self.qpos[start + rows, ring] = pos
+
+    def recent(self, layer: int, slots: torch.Tensor, w: int) -> torch.Tensor:
+        """The newest `w` queries of `slots` [b] in `layer`: [b, Hq, w, D] (order: oldest first)."""
+        order = self.qpos[slots].argsort(dim=-1)[:, -w:]  # [b, w]
+        q = self.q[layer, slots]  # [b, Hq, W, D]
+        return torch.gather(q, 2, order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+
+    def move(self, src: int, dst: int) -> None:
+        self.q[:, dst] = self.q[:, src]
+        self.qpos[dst] = self.qpos[src]
+        self.clear(src)
+
+    def clear(self, slot: int) -> None:
+        self.qpos[slot] = -1
+
+
+@dataclass
+class StepContext:
+    """What one forward needs besides the HF arguments: which rows, how many real tokens, what to observe."""
+
+    store: KVStore
+    start: int  # first slot
+    real: torch.Tensor  # [B] host, real (non-pad) tokens of each row in this forward
+    positions: torch.Tensor  # [B, T] true positions of this forward's tokens
+    queries: QueryBuffer | None = None
+    accumulate: bool = False  # add attention probabilities into store.aux["attn"] (H2O)
+
+    def mask(self, layer: int, T: int, K: int, device: torch.device) -> torch.Tensor:
+        """[B, 1, T, K] bool: key j is visible to query i of row b iff j <= len_b + i (len before this forward)."""
+        base = self.store.lengths[layer, self.start:self.start + len(self.real)].to(device)
+        limit = base[:, None] + torch.arange(T, device=device)  # [B, T]
+        return (torch.arange(K, device=device)[None, None, :] <= limit[:, :, None])[:, None]
+
+
+def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, Hq, T, D]; key/value [B, H, K, D] slot views. Returns ([B, T, Hq, D], None)."""
+    ctx: StepContext = kwargs["skipkv_ctx"]
+    layer = module.layer_idx
+    B, Hq, T, D = query.shape
+    H, K = key.shape[1], key.shape[2]
+    mask = ctx.mask(layer, T, K, query.device)
+    if ctx.queries is not None:
+        ctx.queries.write(layer, ctx.start, query, ctx.positions, ctx.real)
+    if not ctx.accumulate:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=H != Hq)
+        return out.transpose(1, 2).contiguous(), None
+    # Explicit probabilities, needed to accumulate them; GQA via a group axis instead of repeat_kv.
+    G = Hq // H
+    qg = query.view(B, H, G, T, D)
+    logits = torch.einsum("bhgtd,bhkd->bhgtk", qg, key) * (scaling if scaling is not None else D**-0.5)
+    logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)
+    real_q = (torch.arange(T, device=query.device)[None, :] < ctx.real.to(query.device)[:, None])  # [B, T]
+    received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
+    ctx.store.aux["attn"][layer, ctx.start:ctx.start + B, :, :K] += received
+    out = torch.einsum("bhgtk,bhkd->bhgtd", probs.to(value.dtype), value).reshape(B, Hq, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    AttentionInterface.register(BACKEND, skipkv_attention)
+
+
+@contextlib.contextmanager
+def attention_backend(model):
+    """Route `model`'s attention through the skipkv backend for the duration of the block."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(BACKEND)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

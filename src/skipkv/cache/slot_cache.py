@@ -1,0 +1,34 @@
+"""`SlotCache`: the transformers `Cache` subclass through which HF attention layers write into the slot store.
+
+The model calls `cache.update(k, v, layer_idx)` with post-RoPE keys; we append them to the slot store at each
+request's own length and hand back views of the slots. The per-forward context (which slots, true positions)
+is set by the engine before every forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from skipkv.cache.store import KVStore
+
+
+class SlotCache(Cache):
+    def __init__(self, store: KVStore) -> None:
+        super().__init__(layers=[])
+        self.store = store
+        self.start = 0  # first slot of the rows in the current forward
+        self.positions: torch.Tensor | None = None  # [B, T] true positions of the current forward's tokens
+
+    def bind(self, start: int, positions: torch.Tensor) -> None:
+        self.start, self.positions = start, positions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        assert self.positions is not None, "SlotCache.bind() must be called before a forward"
+        return self.store.append(layer_idx, self.start, key_states, value_states, self.positions)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.store.lengths[layer_idx].max())
+
+    def __len__(self) -> int:
+        return self.store.num_layers

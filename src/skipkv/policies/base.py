@@ -1,0 +1,116 @@
+"""The policy contract: a frozen dataclass that scores cached tokens; the engine decides when, the store gathers.
+
+A policy declares what it needs (`needs`), and returns per-token scores [b, H, n] for one layer
+(`score`). The shared `select` keeps the sink and window tokens and the best-scoring rest, `budget` in all.
+Model-wide policies (`model_wide = True`) get every layer's scores before choosing (see LaProx).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+from skipkv.errors import SkipKVError
+from skipkv.scoring import protect_and_select
+
+PHASES = ("prefill", "decode", "both")
+
+
+@dataclass
+class Observation:
+    """What a policy sees of one layer for the b rows being compressed (all of equal length n)."""
+
+    layer: int
+    keys: torch.Tensor  # [b, H, n, D] post-RoPE
+    values: torch.Tensor  # [b, H, n, D]
+    positions: torch.Tensor  # [b, H, n] true positions (int32)
+    queries: torch.Tensor | None  # [b, Hq, w, D] newest w queries (w = policy.query_window), if "queries" in needs
+    attn: torch.Tensor | None  # [b, H, n] attention accumulated since each entry arrived, if "attn" in needs
+    module: torch.nn.Module  # the HF attention module of this layer (o_proj for output-aware scores)
+    is_prefill: bool
+    states: list | None = None  # per-request policy state (see Policy.init_state), one per row
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Shared knobs. budget: tokens kept per request per kv head; window: newest tokens always kept;
+    sink: oldest tokens always kept; interval: decode steps the cache may grow past the budget before the
+    next compression (capacity = budget + interval); phase: when compression runs (prefill, decode, both)."""
+
+    budget: int = 128
+    window: int = 8
+    sink: int = 0
+    interval: int = 128
+    phase: str = "both"
+
+    name: ClassVar[str] = ""
+    needs: ClassVar[frozenset[str]] = frozenset()
+    compresses: ClassVar[bool] = True
+    model_wide: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if not self.compresses:
+            return
+        if self.budget <= 0:
+            raise SkipKVError(f"budget must be positive, got {self.budget}")
+        if self.window < 0 or self.sink < 0:
+            raise SkipKVError("window and sink must be >= 0")
+        if self.budget <= self.window + self.sink:
+            raise SkipKVError(f"budget ({self.budget}) must exceed window + sink ({self.window} + {self.sink})")
+        if self.interval <= 0:
+            raise SkipKVError(f"interval must be positive, got {self.interval}")
+        if self.phase not in PHASES:
+            raise SkipKVError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
+
+    def requirements(self) -> frozenset[str]:
+        """What the engine must capture for this instance: subset of {"queries", "attn", "hidden"}."""
+        return self.needs
+
+    def init_state(self, prompt_ids: list[int], tokenizer) -> object | None:
+        """Per-request state (e.g. a sentence tracker); None for stateless policies."""
+        return None
+
+    def observe(self, state: object, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Called once per forward per request when "hidden" is required: token_ids [T], hidden [T, hidden]
+        (last layer, after the final norm)."""
+
+    @property
+    def query_window(self) -> int:
+        """How many recent queries the engine must buffer for this policy."""
+        return self.window
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Slot entries one request may need at once."""
+        if not self.compresses:
+            return prompt_len + max_new_tokens
+        if self.phase == "prefill":  # compress the prompt once, then grow freely
+            return min(prompt_len, self.budget) + max_new_tokens
+        if self.phase == "decode":  # the prompt stays whole until the first decode-time compression
+            return max(self.budget + self.interval, prompt_len + 1)
+        return self.budget + self.interval
+
+    def should_compress(self, length: int, is_prefill: bool) -> bool:
+        """Compress a request that holds `length` entries now? (after prefill, or after a decode step)"""
+        if not self.compresses:
+            return False
+        if is_prefill:
+            return self.phase in ("prefill", "both") and length > self.budget
+        return self.phase in ("decode", "both") and length >= self.budget + self.interval
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Per-token scores [b, H, n]; higher is kept. Window and sink tokens are kept whatever they score."""
+        raise NotImplementedError
+
+    def select(self, obs: Observation) -> torch.Tensor:
+        """Keep indices [b, H, budget], ascending."""
+        return protect_and_select(self.score(obs), self.budget, self.window, self.sink)
+
+    @classmethod
+    def knobs(cls) -> list[tuple[str, type, object, str]]:
+        """(name, type, default, help) for every field: what the CLI and configs build flags from."""
+        out = []
+        for f in fields(cls):
+            out.append((f.name, type(f.default), f.default, f.metadata.get("help", "")))
+        return out

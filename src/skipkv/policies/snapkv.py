@@ -1,0 +1,50 @@
+"""SnapKV (Li et al., NeurIPS 2024, arXiv 2404.14469): keep what the observation window attends to.
+
+    skipkv generate --model random:qwen2 --policy snapkv --budget 64 "Hello"
+
+At prefill the observation window is the last `prefill_window` (32) prompt queries; at decode time it
+repeats every `interval` steps with the newest `window` (8) queries, which is how the R-KV repo adapts
+SnapKV to reasoning. Scores: softmax of the window queries over the older tokens, averaged over queries,
+then 1-D pooled (`kernel` 7, `pooling` max). Departures from the paper's code: GQA logits are reduced over
+each query group (`group_reduce`, max as in R-KV) instead of repeating keys per query head; the newest
+`window` tokens are kept verbatim in both phases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from skipkv.policies import POLICIES
+from skipkv.policies.base import Observation, Policy
+from skipkv.scoring import window_importance
+
+
+@POLICIES.register("snapkv")
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    prefill_window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    group_reduce: str = "max"
+
+    needs: ClassVar[frozenset[str]] = frozenset({"queries"})
+
+    @property
+    def query_window(self) -> int:
+        return max(self.window, self.prefill_window)
+
+    def observation_window(self, obs: Observation) -> int:
+        return self.prefill_window if obs.is_prefill else self.window
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        w = self.observation_window(obs)
+        n = obs.keys.shape[2]
+        assert obs.queries is not None
+        queries = obs.queries[:, :, -w:]
+        # Candidates are the tokens before the newest `window`; the window itself is kept by `select`.
+        cand = n - self.window
+        imp = window_importance(queries, obs.keys[:, :, :cand], self.kernel, self.pooling, self.group_reduce)
+        return torch.cat([imp, imp.new_zeros(*imp.shape[:2], n - cand)], dim=-1)

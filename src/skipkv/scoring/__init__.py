@@ -1,0 +1,80 @@
+"""Pure tensor scoring functions shared by policies. Shapes: b rows, H kv heads, G query group, w queries, n tokens, D head dim.
+
+Every function here has a naive loop reference in tests/test_scoring.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def window_logits(queries: torch.Tensor, keys: torch.Tensor, group_reduce: str = "max") -> torch.Tensor:
+    """Scaled logits of the observation queries against the keys, reduced over each GQA group.
+
+    queries [b, H*G, w, D], keys [b, H, n, D] -> [b, H, w, n] (fp32). group_reduce: "max" (R-KV) or "mean".
+    """
+    b, Hq, w, D = queries.shape
+    H = keys.shape[1]
+    q = queries.view(b, H, Hq // H, w, D).float()
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) / D**0.5
+    return logits.amax(dim=2) if group_reduce == "max" else logits.mean(dim=2)
+
+
+def window_importance(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 7, pooling: str = "max",
+                      group_reduce: str = "max") -> torch.Tensor:
+    """R-KV / SnapKV importance: softmax over keys of each observation query, averaged, then 1-D pooled.
+
+    queries [b, H*G, w, D], keys [b, H, n, D] (only the candidate keys: callers drop the window first)
+    -> [b, H, n]. No causal mask: candidates precede every observation query.
+    """
+    probs = torch.softmax(window_logits(queries, keys, group_reduce), dim=-1).mean(dim=2)  # [b, H, n]
+    return pool1d(probs, kernel, pooling)
+
+
+def pool1d(x: torch.Tensor, kernel: int, pooling: str = "max") -> torch.Tensor:
+    """Same-length 1-D pooling over the last axis of [b, H, n] (stride 1, padding kernel // 2)."""
+    if kernel <= 1:
+        return x
+    b, H, n = x.shape
+    flat = x.reshape(b * H, 1, n)
+    if pooling == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    elif pooling == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    else:
+        raise ValueError(f"unknown pooling {pooling!r}")
+    return out.reshape(b, H, n)
+
+
+def key_redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """R-KV redundancy, computed per request (the reference code uses batch row 0 for every row).
+
+    keys [b, H, n, D] -> [b, H, n]. Cosine similarity between keys with a zero diagonal; in each row i the
+    most recent j with similarity > threshold is spared (set to 0); then softmax over j of the row mean.
+    A row with no similar key spares column 0, as the reference does.
+    """
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.transpose(-1, -2)  # [b, H, n, n]
+    n = sim.shape[-1]
+    sim = sim * (1 - torch.eye(n, device=sim.device, dtype=sim.dtype))
+    cols = torch.arange(n, device=sim.device)
+    last_similar = torch.where(sim > threshold, cols, torch.zeros_like(cols)).amax(dim=-1)  # [b, H, n]
+    sim = sim.scatter(-1, last_similar[..., None], 0.0)
+    return torch.softmax(sim.mean(dim=-2), dim=-1)
+
+
+def protect_and_select(scores: torch.Tensor, budget: int, window: int, sink: int) -> torch.Tensor:
+    """Keep indices [b, H, budget], ascending: the first `sink` and last `window` tokens always, the rest by score.
+
+    scores [b, H, n] with n > budget >= window + sink.
+    """
+    n = scores.shape[-1]
+    s = scores.float().clone()
+    s[..., n - window:] = float("inf")
+    s[..., :sink] = float("inf")
+    # A stable sort, not topk: max-pooling makes exact ties common, and topk's tie order is unspecified,
+    # which would let a batch and its single runs keep different tokens. Ties go to the older token.
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :budget]
+    return order.sort(dim=-1).values

@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random-weight models built from config (no download), in float64 so that
+token-for-token equalities are not at the mercy of float rounding ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skipkv.models import load_model
+
+torch.set_num_threads(2)
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "2 + 2 =",
+    "In the beginning the Universe was created. This has made a lot of people very angry and been widely regarded",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return load_model("random:qwen2", dtype="fp64")
+
+
+@pytest.fixture(scope="session", params=["random:llama", "random:qwen3"])
+def tiny_other(request):
+    return load_model(request.param, dtype="fp64")
