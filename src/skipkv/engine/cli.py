@@ -1,0 +1,145 @@
+"""`skipkv generate` and `skipkv policies`.
+
+    skipkv generate --model random:qwen2 --policy rkv --budget 64 --interval 16 --max-new-tokens 300 \
+        --ignore-eos --json "first prompt" "second, longer prompt"
+    skipkv generate --model qwen2.5-coder-0.5b-instruct --policy rkv --budget 128 "What is 17 * 23?"
+    skipkv policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from skipkv.config import EngineConfig, SamplingParams
+from skipkv.errors import SkipKVError
+
+_SAMPLING_DEFAULTS = SamplingParams()
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """--policy plus one flag per knob of any registered policy (defaults come from the policy dataclass)."""
+    from skipkv.policies import POLICIES
+
+    p.add_argument("--policy", default="full", help=f"one of: {', '.join(POLICIES.names())}")
+    seen: dict[str, type] = {}
+    for name in POLICIES.names():
+        for knob, typ, _default, _help in POLICIES.get(name).knobs():
+            seen.setdefault(knob, typ)
+    for knob, typ in seen.items():
+        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=typ, default=None,
+                       help=f"policy knob ({typ.__name__}); default: the policy's own")
+
+
+def policy_from_args(args: argparse.Namespace):
+    from skipkv.policies import make_policy
+
+    knobs = {k[len("knob_"):]: v for k, v in vars(args).items() if k.startswith("knob_")}
+    return make_policy(args.policy, **knobs)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = _SAMPLING_DEFAULTS
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (benchmarks)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="hub id, local folder, .gguf file, pulled name, or random:<family>[:size]")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default; fast on CPUs with AMX), fp32, fp16")
+    p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
+    p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
+                   help="prefill long prompts this many tokens at a time (0 = whole)")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise SkipKVError(f"prompts file not found: {path}")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise SkipKVError(f"{path}:{n}: not valid JSON") from None
+            text = row if isinstance(row, str) else (row.get("prompt") or row.get("text")) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise SkipKVError(f"{path}:{n}: expected a string or an object with a 'prompt' field")
+            prompts.append(text)
+    if not prompts:
+        raise SkipKVError("no prompt given (pass PROMPT... or --prompts FILE.jsonl)")
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise SkipKVError(f"prompt {i} is empty")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from skipkv.engine import generate
+    from skipkv.models import load_model
+
+    # Validate everything cheap before loading a model.
+    policy = policy_from_args(args)
+    sampling = sampling_from_args(args)
+    engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
+    prompts = read_prompts(args)
+    bundle = load_model(args.model, dtype=args.dtype)
+    if not args.raw and getattr(bundle.tokenizer, "chat_template", None):
+        prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                        add_generation_prompt=True) for p in prompts]
+
+    def emit(r) -> None:
+        if args.json:
+            row = dataclasses.asdict(r)
+            row.pop("token_ids")
+            print(json.dumps(row, ensure_ascii=False), flush=True)
+
+    results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)
+    if not args.json:
+        for r in results:
+            print(f"--- [{r.index}] {r.generated_tokens} tokens, peak KV {r.peak_kv_tokens} tokens "
+                  f"({r.peak_kv_bytes / 2**20:.2f} MiB), {r.compressions} compressions, {r.finish_reason}")
+            print(r.text)
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from skipkv.policies import POLICIES
+
+    for name in POLICIES.names():
+        cls = POLICIES.get(name)
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        knobs = ", ".join(f"{k}={d!r}" for k, _t, d, _h in cls.knobs()) if cls.compresses else "(no knobs)"
+        print(f"{name:14s} {doc}\n{'':14s} {knobs}")
+    return 0
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="generate completions with a compressed KV cache")
+    add_model_args(g)
+    add_policy_args(g)
+    add_sampling_args(g)
+    g.add_argument("--json", action="store_true", help="one JSON object per request (as each finishes)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--prompts", help="JSONL file: one string or {\"prompt\": ...} per line")
+    g.add_argument("prompt", nargs="*")
+    g.set_defaults(func=cmd_generate)
+    p = sub.add_parser("policies", help="list KV-cache policies and their knobs")
+    p.set_defaults(func=cmd_policies)

@@ -1,0 +1,137 @@
+"""The contract every registered policy must meet (the matrix runs each policy through the same checks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from skipkv import SamplingParams, generate, make_policy
+from skipkv.attention import attention_backend
+from skipkv.config import EngineConfig
+from skipkv.engine.runner import ModelRunner
+from skipkv.engine import _requests
+from skipkv.policies import POLICIES
+
+COMPRESSING = [n for n in POLICIES.names() if POLICIES.get(n).compresses]
+KNOBS = dict(budget=24, window=4, interval=8)
+
+
+def knobs(name: str) -> dict:
+    k = dict(KNOBS)
+    if name == "streaming_llm":
+        k.update(window=0, sink=4)
+    if name == "snapkv":
+        k.update(prefill_window=8)
+    return k
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_batch_equals_singles(tiny, name):
+    policy = make_policy(name, **knobs(name))
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    batched = generate(tiny, PROMPTS, sp, policy, EngineConfig(batch_size=4))
+    for prompt, res in zip(PROMPTS, batched):
+        alone = generate(tiny, [prompt], sp, policy)[0]
+        assert res.token_ids == alone.token_ids
+        assert res.compressions == alone.compressions > 0
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_budget_respected_and_protected_tokens_survive(tiny, name):
+    """Drive the runner step by step: never above budget + interval, exactly budget after a compression,
+    and the sink and window tokens (by true position) are still there."""
+    policy = make_policy(name, **knobs(name))
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    reqs = _requests(tiny, PROMPTS[:2], sp, policy)  # 4 and 51 tokens: one starts over budget
+    runner = ModelRunner(tiny, policy, num_slots=2)
+    store = runner.store
+    with attention_backend(tiny.model), torch.inference_mode():
+        for r, t in zip(reqs, runner.prefill(reqs)):
+            r.output_ids.append(t)
+        for _ in range(29):
+            before = [r.compressions for r in runner.running]
+            for r, t in zip(list(runner.running), runner.decode()):
+                r.output_ids.append(t)
+            for slot, r in enumerate(runner.running):
+                n = int(store.lengths[0, slot])
+                assert n <= policy.budget + policy.interval
+                assert (store.lengths[:, slot] == n).all()
+                if r.compressions > before[slot]:
+                    assert n == policy.budget
+                    pos = store.pos[:, slot, :, :n]
+                    newest = r.next_position  # position of the token just sampled (not yet cached)
+                    for p in range(newest - policy.window, newest):
+                        assert (pos == p).any(dim=-1).all(), f"window token {p} evicted"
+                    for p in range(policy.sink):
+                        assert (pos == p).any(dim=-1).all(), f"sink token {p} evicted"
+                    assert (pos[..., 1:] > pos[..., :-1]).all(), "entries out of order"
+    assert all(r.compressions > 0 for r in reqs)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_budget_over_sequence_equals_full(tiny, name):
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    full = generate(tiny, PROMPTS, sp, make_policy("full"), EngineConfig(batch_size=4))
+    big = generate(tiny, PROMPTS, sp, make_policy(name, budget=4096, window=4, interval=64), EngineConfig(batch_size=4))
+    assert [r.token_ids for r in big] == [r.token_ids for r in full]
+    assert all(r.compressions == 0 for r in big)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_sampling_deterministic_under_seed(tiny, name):
+    policy = make_policy(name, **knobs(name))
+    sp = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a = generate(tiny, PROMPTS, sp, policy, EngineConfig(batch_size=4))
+    b = generate(tiny, PROMPTS, sp, policy, EngineConfig(batch_size=2))
+    c = generate(tiny, PROMPTS, SamplingParams(max_new_tokens=20, temperature=0.8, seed=8, ignore_eos=True), policy)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_compression_changes_output(tiny):
+    # A budget that bites must actually evict: the output differs from the full cache.
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    full = generate(tiny, PROMPTS[1:2], sp, make_policy("full"))[0]
+    rkv = generate(tiny, PROMPTS[1:2], sp, make_policy("rkv", budget=12, window=4, interval=4))[0]
+    assert rkv.token_ids != full.token_ids
+    # The whole prompt (51 tokens) is staged before its first compression...
+    assert rkv.peak_kv_tokens == rkv.prompt_tokens < full.peak_kv_tokens
+    # ...unless it is prefilled in chunks, which bounds the peak by budget + chunk.
+    chunked = generate(tiny, PROMPTS[1:2], sp, make_policy("rkv", budget=12, window=4, interval=4),
+                       EngineConfig(prefill_chunk=4))[0]
+    assert chunked.peak_kv_tokens <= 16
+    assert chunked.peak_kv_bytes < rkv.peak_kv_bytes < full.peak_kv_bytes
+
+
+def test_h2o_accumulates_attention_over_steps(tiny):
+    """The accumulated score of a kept entry equals the sum of attention it received (checked with an eager
+    recomputation on a 1-layer view): here, the cheap invariant that accumulators are positive and the
+    total attention mass per step adds up (each real query distributes G units over kv heads' keys)."""
+    policy = make_policy("h2o", budget=64, window=4, interval=8)
+    reqs = _requests(tiny, PROMPTS[:1], SamplingParams(max_new_tokens=5, ignore_eos=True), policy)
+    runner = ModelRunner(tiny, policy, num_slots=1)
+    with attention_backend(tiny.model), torch.inference_mode():
+        for r, t in zip(reqs, runner.prefill(reqs)):
+            r.output_ids.append(t)
+        for _ in range(3):
+            for r, t in zip(list(runner.running), runner.decode()):
+                r.output_ids.append(t)
+    n = int(runner.store.lengths[0, 0])
+    acc = runner.store.aux["attn"][:, 0, :, :n]  # [L, H, n]
+    G = tiny.config.num_attention_heads // tiny.config.num_key_value_heads
+    queries = reqs[0].prompt_len + 3  # every query so far, prompt included
+    torch.testing.assert_close(acc.sum(dim=-1), torch.full_like(acc[..., 0], float(G * queries)))
+    assert (acc > 0).all()
+
+
+def test_streaming_llm_keeps_sinks_and_newest(tiny):
+    policy = make_policy("streaming_llm", budget=12, sink=4, window=0, interval=4)
+    reqs = _requests(tiny, PROMPTS[1:2], SamplingParams(max_new_tokens=10, ignore_eos=True), policy)
+    runner = ModelRunner(tiny, policy, num_slots=1)
+    with attention_backend(tiny.model), torch.inference_mode():
+        for r, t in zip(reqs, runner.prefill(reqs)):
+            r.output_ids.append(t)
+    L = reqs[0].prompt_len
+    pos = runner.store.pos[0, 0, 0, :12].tolist()
+    assert pos == [0, 1, 2, 3] + list(range(L - 8, L))
