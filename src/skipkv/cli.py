@@ -18,6 +18,7 @@ from skipkv.errors import SkipKVError
 # Modules that contribute subcommands, in the order they appear in --help.
 COMMAND_MODULES = [
     "skipkv.engine.cli",
+    "skipkv.models.cli",
 ]
 
 
