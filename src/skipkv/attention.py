@@ -11,7 +11,7 @@ recent queries (`QueryBuffer`) and accumulated attention (store aux "attn", for 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -75,11 +75,19 @@ class StepContext:
     queries: QueryBuffer | None = None
     accumulate: bool = False  # add attention probabilities into store.aux["attn"] (H2O)
 
+    _masks: dict = field(default_factory=dict)
+
     def mask(self, layer: int, T: int, K: int, device: torch.device) -> torch.Tensor:
-        """[B, 1, T, K] bool: key j is visible to query i of row b iff j <= len_b + i (len before this forward)."""
-        base = self.store.lengths[layer, self.start:self.start + len(self.real)].to(device)
-        limit = base[:, None] + torch.arange(T, device=device)  # [B, T]
-        return (torch.arange(K, device=device)[None, None, :] <= limit[:, :, None])[:, None]
+        """[B, 1, T, K] bool: key j is visible to query i of row b iff j <= len_b + i (len before this forward).
+
+        Built once per forward and shared by every layer holding the same lengths (all of them, unless a
+        model-wide policy gave layers different lengths)."""
+        base = self.store.lengths[layer, self.start:self.start + len(self.real)]
+        key = (K, tuple(base.tolist()))
+        if key not in self._masks:
+            limit = base.to(device)[:, None] + torch.arange(T, device=device)  # [B, T]
+            self._masks[key] = (torch.arange(K, device=device)[None, None, :] <= limit[:, :, None])[:, None]
+        return self._masks[key]
 
 
 def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

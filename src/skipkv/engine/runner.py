@@ -72,9 +72,7 @@ class ModelRunner:
         lens = torch.tensor([r.prompt_len for r in new])
         T = int(lens.max())
         chunk = self.prefill_chunk if 0 < self.prefill_chunk < T else T
-        # The prompt is staged whole (or one chunk past the budget) before any compression brings it down.
-        staged = T if chunk == T else min(T, chunk + max(self.policy.budget, chunk))
-        self.store.ensure_capacity(max(self.target_capacity(new), staged))
+        self.store.ensure_capacity(self.target_capacity(new))
         self.running.extend(new)
         for i, r in enumerate(new):
             self.store.clear(start + i)
@@ -89,6 +87,8 @@ class ModelRunner:
             c1 = min(c0 + chunk, T)
             real = (lens - c0).clamp(0, c1 - c0)
             positions = torch.arange(c0, c1, device=device).expand(k, -1)
+            # Each chunk is staged whole before compression brings the request back to its budget.
+            self.store.ensure_capacity(int(self.store.lengths[:, start:start + k].max()) + c1 - c0)
             hidden = self._forward(start, ids[:, c0:c1], positions, real)
             self._note_memory(start, new)
             for i, r in enumerate(new):
