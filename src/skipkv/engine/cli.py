@@ -18,6 +18,7 @@ from skipkv.config import EngineConfig, SamplingParams
 from skipkv.errors import SkipKVError
 
 _SAMPLING_DEFAULTS = SamplingParams()
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the offline real model (`skipkv models pull`)
 _ENGINE_DEFAULTS = EngineConfig()
 
 
@@ -59,7 +60,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="hub id, local folder, .gguf file, pulled name, or random:<family>[:size]")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"hub id, local folder, .gguf file, pulled name, or random:<family>[:size] (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="bf16", help="bf16 (default; fast on CPUs with AMX), fp32, fp16")
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,

@@ -103,9 +103,13 @@ class Policy:
         """Per-token scores [b, H, n]; higher is kept. Window and sink tokens are kept whatever they score."""
         raise NotImplementedError
 
+    def kept_window(self, obs: Observation) -> int:
+        """How many of the newest tokens are kept whatever they score."""
+        return self.window
+
     def select(self, obs: Observation) -> torch.Tensor:
         """Keep indices [b, H, budget], ascending."""
-        return protect_and_select(self.score(obs), self.budget, self.window, self.sink)
+        return protect_and_select(self.score(obs), self.budget, self.kept_window(obs), self.sink)
 
     @classmethod
     def knobs(cls) -> list[tuple[str, type, object, str]]:

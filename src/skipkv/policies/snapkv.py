@@ -2,12 +2,13 @@
 
     skipkv generate --model random:qwen2 --policy snapkv --budget 64 "Hello"
 
-At prefill the observation window is the last `prefill_window` (32) prompt queries; at decode time it
-repeats every `interval` steps with the newest `window` (8) queries, which is how the R-KV repo adapts
-SnapKV to reasoning. Scores: softmax of the window queries over the older tokens, averaged over queries,
-then 1-D pooled (`kernel` 7, `pooling` max). Departures from the paper's code: GQA logits are reduced over
-each query group (`group_reduce`, max as in R-KV) instead of repeating keys per query head; the newest
-`window` tokens are kept verbatim in both phases.
+At prefill the observation window is the last `prefill_window` (32) prompt tokens: they are kept, and their
+queries score the older tokens. At decode time it repeats every `interval` steps with the newest `window` (8)
+tokens, which is how the R-KV repo adapts SnapKV to reasoning. Scores: softmax of the window queries over the
+older tokens, averaged over queries, then 1-D pooled (`kernel` 7, `pooling` max). Departures from the paper's
+code: GQA logits are reduced over each query group (`group_reduce`, max as in R-KV) instead of repeating keys
+per query head; pooling defaults to max with kernel 7 (the paper's code uses avg pooling with kernel 5 or 7;
+set `pooling=avg`). With `phase` prefill or both, `budget` must exceed `prefill_window + sink`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import window_importance
@@ -32,19 +34,25 @@ class SnapKV(Policy):
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.phase != "decode" and self.budget <= self.prefill_window + self.sink:
+            raise SkipKVError(f"snapkv budget ({self.budget}) must exceed prefill_window + sink "
+                              f"({self.prefill_window} + {self.sink}); lower --prefill-window or use --phase decode")
+
     @property
     def query_window(self) -> int:
         return max(self.window, self.prefill_window)
 
-    def observation_window(self, obs: Observation) -> int:
+    def kept_window(self, obs: Observation) -> int:
         return self.prefill_window if obs.is_prefill else self.window
 
     def score(self, obs: Observation) -> torch.Tensor:
-        w = self.observation_window(obs)
+        w = self.kept_window(obs)
         n = obs.keys.shape[2]
         assert obs.queries is not None
         queries = obs.queries[:, :, -w:]
-        # Candidates are the tokens before the newest `window`; the window itself is kept by `select`.
-        cand = n - self.window
+        # Candidates precede every observation query, so no causal mask is needed; the window is kept by `select`.
+        cand = n - w
         imp = window_importance(queries, obs.keys[:, :, :cand], self.kernel, self.pooling, self.group_reduce)
         return torch.cat([imp, imp.new_zeros(*imp.shape[:2], n - cand)], dim=-1)
