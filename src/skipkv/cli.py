@@ -19,6 +19,8 @@ from skipkv.errors import SkipKVError
 COMMAND_MODULES = [
     "skipkv.engine.cli",
     "skipkv.models.cli",
+    "skipkv.sweep",
+    "skipkv.report.cli",
 ]
 
 

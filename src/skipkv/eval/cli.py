@@ -1,0 +1,114 @@
+"""`skipkv eval`: run a policy on a benchmark, append graded records, write a summary; re-running resumes.
+
+    skipkv eval --model random:qwen2 --dataset gsm8k --limit 6 --policy rkv --budget 32 --interval 8 \\
+        --max-new-tokens 40 --out runs/smoke --quiet
+    skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset math500 --policy full --out runs/m-full
+    skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset math500 --policy rkv --budget-ratio 0.2 \\
+        --reference runs/m-full --out runs/m-rkv-0.2
+    skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 2048,4096 --depths 0,0.5,1 \\
+        --policy snapkv --budget-ratio 0.25 --out runs/niah-snapkv
+
+Flags without a value given fall back to EvalConfig's defaults (skipkv/eval/runner.py), which in turn come
+from SamplingParams, EngineConfig, load_model and the dataset class. Policy knobs are built from the policy
+dataclasses (shared with `skipkv generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+
+    return parse
+
+
+def _defaults() -> dict[str, Any]:
+    from skipkv.eval.runner import EvalConfig
+
+    out = {}
+    for f in dataclasses.fields(EvalConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return out
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from skipkv.eval.runner import SUMMARY_FILE, EvalConfig, run_eval
+
+    knobs = {k[len("knob_"):]: v for k, v in vars(args).items() if k.startswith("knob_") and v is not None}
+    budget = knobs.pop("budget", None)
+    data_options = {"source": args.source, "data": args.data, "lengths": args.lengths, "depths": args.depths,
+                    "per_length": args.per_length, "seed": args.data_seed}
+    given = {
+        "budget": budget, "budget_ratio": args.budget_ratio, "reference": args.reference, "limit": args.limit,
+        "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "seed": args.seed, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+        "prefill_chunk": args.prefill_chunk, "prompt_style": args.prompt_style, "dtype": args.dtype,
+        "device": args.device,
+    }
+    cfg = EvalConfig(
+        model=args.model, dataset=args.dataset, policy=args.policy, out=args.out, policy_knobs=knobs,
+        dataset_options={k: v for k, v in data_options.items() if v is not None},
+        grader_options={"timeout_s": args.code_timeout} if args.code_timeout is not None else {},
+        quiet=args.quiet, **{k: v for k, v in given.items() if v is not None},
+    )
+    out = run_eval(cfg)
+    s = json.loads((Path(out) / SUMMARY_FILE).read_text())
+    if not args.quiet and not s["n"]:
+        print(f"{cfg.dataset} / {cfg.policy}: no records -> {out}")
+    elif not args.quiet:
+        print(f"{cfg.dataset} / {cfg.policy}: accuracy {s['accuracy']:.3f} over {s['n_examples']} examples "
+              f"({s['n']} records), {s['mean_generated_tokens']:.1f} generated tokens, "
+              f"peak KV {s['peak_kv_tokens']} tokens / {s['peak_kv_bytes'] / 2**20:.2f} MiB -> {out}")
+    return 0
+
+
+def register(sub) -> None:
+    from skipkv.engine.cli import add_policy_args
+    from skipkv.eval.datasets import dataset_names
+    from skipkv.eval.prompts import STYLES
+
+    d = _defaults()
+    p = sub.add_parser("eval", help="evaluate a policy on a benchmark (resumable)",
+                       description="Evaluate a KV-cache policy on a benchmark; re-running the command resumes.")
+    p.add_argument("--model", required=True, help="hub id, local folder, .gguf, pulled name, or random:<family>[:size]")
+    p.add_argument("--dataset", required=True, help=f"one of: {', '.join(dataset_names())}")
+    p.add_argument("--out", required=True, help="run directory (config.json, records.jsonl, summary.json)")
+    add_policy_args(p)  # --policy and one flag per policy knob (--budget, --window, --sink, --interval, ...)
+    p.add_argument("--budget-ratio", type=float, help="budget as a fraction: of --reference's mean generation "
+                   "length, or (long-context sets without --reference) of each example's length in tokens")
+    p.add_argument("--reference", help="run dir of a full-cache run of the same model and dataset")
+    p.add_argument("--limit", type=int, help="only the first N examples (default: all)")
+    p.add_argument("--samples", type=int, help=f"samples per example; pass@1 is averaged (default {d['samples']})")
+    p.add_argument("--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
+    p.add_argument("--top-p", type=float, help=f"default {d['top_p']}")
+    p.add_argument("--top-k", type=int, help=f"0 = off (default {d['top_k']})")
+    p.add_argument("--seed", type=int, help=f"sampling seed (default {d['seed']}); each (example, sample) "
+                   "derives its own from it")
+    p.add_argument("--max-new-tokens", type=int, help="generation cap (default: the dataset's)")
+    p.add_argument("--batch-size", type=int, help=f"default {d['batch_size']}")
+    p.add_argument("--prefill-chunk", type=int, help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
+    p.add_argument("--prompt-style", choices=STYLES, help=f"default {d['prompt_style']}")
+    p.add_argument("--dtype", help=f"default {d['dtype']}")
+    p.add_argument("--device", help=f"default {d['device']}")
+    p.add_argument("--source", choices=("local", "hub"), help="local (packaged or --data) or hub (needs `datasets`)")
+    p.add_argument("--data", help="a JSONL in the packaged schema, or a haystack .txt for long-context sets")
+    p.add_argument("--lengths", type=_list_of(int, "integers"), help="long context: prompt lengths in tokens, e.g. 4096,8192")
+    p.add_argument("--depths", type=_list_of(float, "fractions"), help="niah: needle depths in [0, 1], e.g. 0,0.5,1")
+    p.add_argument("--per-length", type=int, help="long context: examples per length (niah: per length x depth)")
+    p.add_argument("--data-seed", type=int, help="seed of the long-context generators (default 0)")
+    p.add_argument("--code-timeout", type=float, help="seconds per generated program (humaneval)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
+    p.set_defaults(func=cmd_eval)

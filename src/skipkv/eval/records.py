@@ -1,0 +1,98 @@
+"""The run directory's records.jsonl: append-only, one JSON object per finished (id, sample), crash-safe.
+
+    store = RecordStore(Path("runs/g/records.jsonl"))
+    done = store.keys()            # {(id, sample), ...} already finished
+    store.append({"id": "gsm8k-test-0000", "sample": 0, ...})   # written, flushed and fsynced before it returns
+
+A process killed mid-write leaves at most one torn last line. Opening the store drops it (truncating the
+file back to the last complete record), so the next append starts on a clean line and the interrupted
+example simply runs again. A bad line anywhere else means the file was damaged by something else, and
+is an error rather than a silent skip. A duplicate (id, sample) cannot arise through `append`, which
+refuses keys it already holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from skipkv.errors import SkipKVError
+
+
+def _key(record: dict[str, Any]) -> tuple[str, int]:
+    return str(record["id"]), int(record["sample"])
+
+
+class RecordStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._records: list[dict[str, Any]] = []
+        self._keys: set[tuple[str, int]] = set()
+        self.dropped_torn_line = False
+        self._load()
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        good_end = 0  # byte offset just past the last complete, valid line
+        pos = 0
+        while pos < len(data):
+            nl = data.find(b"\n", pos)
+            end = len(data) if nl < 0 else nl + 1
+            line = data[pos:end]
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "id" not in record or "sample" not in record:
+                        raise ValueError("not a record")
+                except ValueError:
+                    if data[end:].strip():  # damage before the end: not a torn tail
+                        num = data[:pos].count(b"\n") + 1
+                        raise SkipKVError(f"{self.path}:{num} is not a valid record; the file is damaged") from None
+                    break
+                key = _key(record)
+                if key not in self._keys:
+                    self._keys.add(key)
+                    self._records.append(record)
+            good_end = end
+            pos = end
+        if good_end < len(data):
+            # Cut the torn tail so that the next append does not glue onto half a line.
+            with open(self.path, "r+b") as f:
+                f.truncate(good_end)
+                f.flush()
+                os.fsync(f.fileno())
+            self.dropped_torn_line = True
+        elif data and not data.endswith(b"\n"):
+            # A complete record whose newline never made it: keep the record, finish its line.
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._records)
+
+    def keys(self) -> set[tuple[str, int]]:
+        return set(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record as one line; returns once it is on disk."""
+        key = _key(record)
+        if key in self._keys:
+            raise SkipKVError(f"record {key[0]!r} sample {key[1]} is already in {self.path}")
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        # One write call per line, opened in append mode: concurrent readers never see a partial record
+        # except at a crash, which _load repairs.
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self._keys.add(key)
+        self._records.append(record)

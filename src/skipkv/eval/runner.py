@@ -1,0 +1,490 @@
+"""The evaluation runner: dataset -> prompts -> engine (batched) -> graders -> records.jsonl + summary.json.
+
+    skipkv eval --model random:qwen2 --dataset gsm8k --limit 6 --policy rkv --budget 32 --interval 8 \\
+        --max-new-tokens 40 --out runs/smoke --quiet
+    run_eval(EvalConfig(model="random:qwen2", dataset="gsm8k", policy="rkv", out="runs/smoke",
+                        policy_knobs={"interval": 8}, budget=32, limit=6, max_new_tokens=40, quiet=True))
+
+A run directory holds three files.
+
+config.json — the resolved run. Keys that change results (IDENTITY_KEYS) are compared when the same
+directory is used again; any difference is a SkipKVError, so one directory never mixes two setups:
+  model, dtype, device           the model as loaded
+  dataset                        {name, grader, source/file/sha256 or generator parameters (lengths, depths, seed ...)}
+  prompt_style                   "chat" | "raw"
+  policy                         {name, budget, window, sink, interval, phase, + the policy's own knobs}
+                                 (budget is null when it is set per prompt, see budget_mode)
+  budget_mode                    "tokens" (given), "reference" (ratio x a full-cache run's mean generation
+                                 length, the SkipKV/R-KV definition) or "prompt_length" (long-context sets
+                                 without a reference: ratio x the example's nominal length in tokens)
+  budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
+  sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
+  grader                         {name, + its settings}
+  engine                         EngineConfig minus batch_size
+Not compared: execution {limit, samples, batch_size, out, reference_dir} — a larger --limit or more
+--samples extends a run, and batch size does not change tokens (the engine's batch == singles invariant) —
+and environment {git_revision, git_dirty, versions, machine, created}.
+
+records.jsonl — one JSON object per finished (id, sample), appended, flushed and fsynced as it finishes:
+  id, sample, seed               example id, sample index (0..samples-1), the sampling seed it used
+  prompt, output                 the exact prompt text and the generated text
+  reference, extracted           the reference answer(s) (code: the test program) and what the grader read
+  correct, score, grade_detail   bool; float in [0, 1] (fraction of references found, else 0/1); a short note
+  generated_tokens, prompt_tokens, peak_kv_tokens, peak_kv_bytes, compressions, compress_seconds, seconds
+  finish_reason                  "eos" | "length" | "stop"
+  budget                         the KV budget this request ran under (null for a policy that keeps everything)
+  session, finished_at           unix time the generating process started generating / this record finished
+  + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
+A killed run loses at most the requests in flight; re-running the same command skips finished pairs.
+
+summary.json — over all records in the directory:
+  n (records), n_examples, samples (most samples of one example), complete (every selected pair done)
+  accuracy                       pass@1: per example the mean of `correct` over its samples, then the mean
+  score                          the same average of `score`
+  mean_generated_tokens, mean_prompt_tokens, mean_peak_kv_tokens, peak_kv_tokens,
+  mean_peak_kv_bytes, peak_kv_bytes, mean_compressions, finish_reasons {reason: count}
+  tokens_per_second              generated tokens / generation wall time, summed over sessions
+  by                             {meta key: {value: accuracy}} for length and depth, when examples have them
+  dataset, model, policy, budget, budget_ratio
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import inspect
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from skipkv.config import EngineConfig, SamplingParams
+from skipkv.errors import SkipKVError
+from skipkv.eval import prompts
+from skipkv.eval.datasets import Dataset, Example, data_request, get_dataset
+from skipkv.eval.graders import GRADERS, Grader
+from skipkv.eval.records import RecordStore
+
+CONFIG_FILE, RECORDS_FILE, SUMMARY_FILE, LOCK_FILE = "config.json", "records.jsonl", "summary.json", ".lock"
+IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy", "budget_mode", "budget_ratio",
+                 "budget_reference", "sampling", "grader", "engine")
+CORE_RECORD_KEYS = frozenset({
+    "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
+    "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "compressions", "compress_seconds",
+    "seconds", "finish_reason", "budget", "session", "finished_at"})
+GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
+CONFIG_VERSION = 1
+
+_SAMPLING = SamplingParams()
+_ENGINE = EngineConfig()
+
+
+def _load_model_default(name: str) -> Any:
+    from skipkv.models import load_model
+
+    return inspect.signature(load_model).parameters[name].default
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One evaluation run. Defaults come from SamplingParams, EngineConfig, load_model and the dataset class."""
+
+    model: str
+    dataset: str
+    policy: str
+    out: str
+    policy_knobs: Mapping[str, Any] = field(default_factory=dict)  # window, sink, interval, phase, own knobs
+    budget: int | None = None  # tokens; or give budget_ratio
+    budget_ratio: float | None = None
+    reference: str | None = None  # run dir of a full-cache run: budget = ratio x its mean generated tokens
+    dataset_options: Mapping[str, Any] = field(default_factory=dict)  # source, data, lengths, depths, per_length, seed
+    limit: int | None = None  # first N examples
+    samples: int = 1  # samples per example (pass@1 is averaged over them)
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    top_k: int = _SAMPLING.top_k
+    seed: int = _SAMPLING.seed
+    max_new_tokens: int | None = None  # None: the dataset's default
+    batch_size: int = _ENGINE.batch_size
+    prefill_chunk: int = _ENGINE.prefill_chunk
+    prompt_style: str = "chat"
+    dtype: str = field(default_factory=lambda: _load_model_default("dtype"))
+    device: str = field(default_factory=lambda: _load_model_default("device"))
+    grader_options: Mapping[str, Any] = field(default_factory=dict)  # fields of the dataset's grader, e.g. timeout_s
+    quiet: bool = False
+
+
+def sample_seed(seed: int, example_id: str, sample: int) -> int:
+    """The sampling seed of one (example, sample): independent of batching, order and resumption."""
+    digest = hashlib.sha256(f"{seed}|{example_id}|{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+# --------------------------------------------------------------------------------------------- config
+def _validate(cfg: EvalConfig) -> None:
+    prompts.check_style(cfg.prompt_style)
+    if cfg.samples <= 0:
+        raise SkipKVError(f"samples must be positive, got {cfg.samples}")
+    if cfg.samples > 1 and cfg.temperature == 0:
+        raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    if cfg.limit is not None and cfg.limit <= 0:
+        raise SkipKVError(f"limit must be positive, got {cfg.limit}")
+    if cfg.budget is not None and cfg.budget_ratio is not None:
+        raise SkipKVError("give either --budget or --budget-ratio, not both")
+    if "budget" in cfg.policy_knobs and (cfg.budget is not None or cfg.budget_ratio is not None):
+        raise SkipKVError("the budget is given twice (policy knobs and budget/budget_ratio)")
+    if cfg.budget_ratio is not None and not 0 < cfg.budget_ratio <= 1:
+        raise SkipKVError(f"budget ratio must be in (0, 1], got {cfg.budget_ratio}")
+    if cfg.reference is not None and cfg.budget_ratio is None:
+        raise SkipKVError("--reference is only used with --budget-ratio")
+    if cfg.max_new_tokens is not None and cfg.max_new_tokens <= 0:
+        raise SkipKVError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
+
+
+def _read_reference(cfg: EvalConfig) -> float:
+    """Mean generated tokens of the full-cache reference run, checked to be the same model and dataset."""
+    from skipkv.policies import POLICIES
+
+    ref = Path(str(cfg.reference))
+    try:
+        summary = json.loads((ref / SUMMARY_FILE).read_text())
+        config = json.loads((ref / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise SkipKVError(f"--reference {ref}: cannot read its summary.json/config.json ({exc})") from None
+    policy = str(config.get("policy", {}).get("name", "?"))
+    if policy not in POLICIES or POLICIES.get(policy).compresses:
+        raise SkipKVError(f"--reference {ref} is a {policy!r} run; a budget ratio refers to a full-cache run")
+    for key, mine in (("model", cfg.model), ("dataset", cfg.dataset)):
+        theirs = config.get(key, {}).get("name") if key == "dataset" else config.get(key)
+        if theirs != mine:
+            raise SkipKVError(f"--reference {ref} ran {key} {theirs!r}, this run uses {mine!r}")
+    mean = summary.get("mean_generated_tokens")
+    if not isinstance(mean, (int, float)) or mean <= 0:
+        raise SkipKVError(f"--reference {ref}: summary.json has no positive mean_generated_tokens")
+    return float(mean)
+
+
+def _budget_plan(cfg: EvalConfig, dataset: Dataset) -> tuple[str, int | None, float | None]:
+    """(budget_mode, fixed budget or None, reference mean or None)."""
+    if cfg.budget_ratio is None:
+        return "tokens", cfg.budget, None
+    if cfg.reference is not None:
+        mean = _read_reference(cfg)
+        return "reference", max(1, round(cfg.budget_ratio * mean)), mean
+    if dataset.long_context:
+        return "prompt_length", None, None
+    raise SkipKVError(f"--budget-ratio on {cfg.dataset} needs --reference DIR (a full-cache run of the same "
+                      "model and dataset): the ratio is of its mean generation length")
+
+
+def _example_budget(cfg: EvalConfig, ex: Example, prompt_tokens: int) -> int:
+    # A long-context example's nominal length (what its tokens were fitted to); else its real prompt length.
+    length = int(ex.meta.get("length", prompt_tokens))
+    return max(1, round(float(cfg.budget_ratio or 0) * length))
+
+
+def _make_policy(cfg: EvalConfig, budget: int | None):
+    from skipkv.policies import make_policy
+
+    knobs = dict(cfg.policy_knobs)
+    if budget is not None:
+        knobs["budget"] = budget
+    return make_policy(cfg.policy, **knobs)
+
+
+def _public_fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+
+
+def _make_grader(cfg: EvalConfig, dataset: Dataset) -> Grader:
+    cls = GRADERS.get(dataset.grader)
+    names = {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}  # type: ignore[arg-type]
+    unknown = sorted(set(cfg.grader_options) - names)
+    if unknown:
+        raise SkipKVError(f"the {dataset.grader} grader of {cfg.dataset} has no option {unknown[0]!r}; "
+                          f"options: {', '.join(sorted(names)) or 'none'}")
+    return cls(**cfg.grader_options)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+
+    versions = {}
+    for pkg in ("skipkv", "torch", "transformers", "tokenizers", "math-verify", "numpy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    if versions["skipkv"] is None:  # running from a source tree that is not installed
+        import skipkv
+
+        versions["skipkv"] = skipkv.__version__
+    versions["python"] = platform.python_version()
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   cpu)
+    machine = {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+               "torch_threads": torch.get_num_threads(),
+               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        machine["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"git_revision": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+            "versions": versions, "machine": machine, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key} ({json.dumps(a)[:40]} -> {json.dumps(b)[:40]})")
+    return diffs
+
+
+def _check_or_write_config(out: Path, config: dict[str, Any]) -> None:
+    path = out / CONFIG_FILE
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            raise SkipKVError(f"{path} is not valid JSON; use another --out") from None
+        diffs = _differences({k: old.get(k, "<absent>") for k in IDENTITY_KEYS},
+                             {k: config[k] for k in IDENTITY_KEYS})
+        if diffs:
+            more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+            raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
+        return
+    if (out / RECORDS_FILE).exists():
+        raise SkipKVError(f"{out} has records but no config.json; use another --out")
+    _write_json(path, config)
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomic: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    with open(out / LOCK_FILE, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SkipKVError(f"another skipkv eval is writing to {out}") from None
+        yield
+
+
+def _check_lengths(cfg: EvalConfig, dataset: Dataset, options: dict[str, Any], max_context: int,
+                   max_new: int) -> dict[str, Any]:
+    """Long-context lengths that fit the model: defaults are filtered, an explicit one that does not fit is an error."""
+    if not dataset.long_context:
+        return options
+    from skipkv.eval.longctx import DEFAULT_LENGTHS
+
+    fits = [n for n in (options.get("lengths") or DEFAULT_LENGTHS) if n + max_new <= max_context]
+    if options.get("lengths") and len(fits) < len(options["lengths"]):
+        raise SkipKVError(f"lengths {list(options['lengths'])} + max_new_tokens {max_new} exceed the model's "
+                          f"context of {max_context} tokens")
+    if not fits:
+        raise SkipKVError(f"no default length fits the model's context of {max_context} tokens; give --lengths")
+    return {**options, "lengths": tuple(fits)}
+
+
+# ------------------------------------------------------------------------------------------- summary
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary.json metrics (see the module docstring) over `records`."""
+    if not records:
+        return {"n": 0, "n_examples": 0}
+    by_example: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_example[str(r["id"])].append(r)
+
+    def pass1(rs: list[dict[str, Any]], key: str = "correct") -> float:
+        groups: dict[str, list[float]] = defaultdict(list)
+        for r in rs:
+            groups[str(r["id"])].append(float(r[key]))
+        return sum(sum(v) / len(v) for v in groups.values()) / len(groups)
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in records) / len(records)
+
+    sessions: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        sessions[r.get("session")].append(r)
+    wall = sum(max(float(r["finished_at"]) for r in rs) - float(s) for s, rs in sessions.items() if s is not None)
+    timed = sum(int(r["generated_tokens"]) for s, rs in sessions.items() if s is not None for r in rs)
+    by: dict[str, dict[str, float]] = {}
+    for key in GROUP_KEYS:
+        values = sorted({r[key] for r in records if key in r})
+        if len(values) > 1:
+            by[key] = {str(v): pass1([r for r in records if r.get(key) == v]) for v in values}
+    return {
+        "n": len(records), "n_examples": len(by_example), "samples": max(len(v) for v in by_example.values()),
+        "accuracy": pass1(records), "score": pass1(records, "score"),
+        "mean_generated_tokens": mean("generated_tokens"), "mean_prompt_tokens": mean("prompt_tokens"),
+        "mean_peak_kv_tokens": mean("peak_kv_tokens"), "peak_kv_tokens": max(int(r["peak_kv_tokens"]) for r in records),
+        "mean_peak_kv_bytes": mean("peak_kv_bytes"), "peak_kv_bytes": max(int(r["peak_kv_bytes"]) for r in records),
+        "mean_compressions": mean("compressions"),
+        "finish_reasons": dict(Counter(str(r["finish_reason"]) for r in records)),
+        "tokens_per_second": timed / wall if wall > 0 else None,
+        "by": by,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- run
+@dataclass(frozen=True)
+class _Job:
+    example: Example
+    sample: int
+    prompt: str
+    prompt_ids: list[int]
+    budget: int | None
+
+
+def run_eval(cfg: EvalConfig) -> Path:
+    """Run (or resume) one evaluation into cfg.out; returns the run directory. See the module docstring."""
+    from skipkv.engine import generate
+    from skipkv.models import load_model
+
+    _validate(cfg)
+    dataset = get_dataset(cfg.dataset)
+    grader = _make_grader(cfg, dataset)
+    mode, fixed_budget, ref_mean = _budget_plan(cfg, dataset)
+    policy = _make_policy(cfg, fixed_budget)  # validates the knobs before a model is loaded
+    max_new = cfg.max_new_tokens or dataset.max_new_tokens
+    stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out):
+        bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
+        request = data_request(options, bundle.tokenizer, cfg.prompt_style)
+        examples = dataset.load(request)
+        if cfg.limit is not None:
+            examples = examples[:cfg.limit]
+        # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
+        rendered: dict[str, tuple[str, list[int]]] = {}
+        for ex in examples:
+            text = prompts.render(bundle.tokenizer, ex, cfg.prompt_style)
+            ids = prompts.encode(bundle.tokenizer, text, cfg.prompt_style)
+            if len(ids) + max_new > bundle.max_context:
+                raise SkipKVError(f"example {ex.id}: {len(ids)} prompt tokens + max_new_tokens {max_new} exceed the "
+                                  f"model's context of {bundle.max_context}; lower --max-new-tokens")
+            rendered[ex.id] = (text, ids)
+        policy_record = {"name": cfg.policy, **dataclasses.asdict(policy)}
+        if mode == "prompt_length" or not policy.compresses:
+            policy_record["budget"] = None  # set per example (see budget_mode), or no budget applies
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  top_k=cfg.top_k, seed=cfg.seed, stop=stop)
+        config = _jsonable({
+            "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
+            "dataset": {"name": cfg.dataset, **dataset.identity(request)},
+            "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
+            "budget_ratio": cfg.budget_ratio,
+            "budget_reference": {"mean_generated_tokens": ref_mean} if ref_mean is not None else None,
+            "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(grader)},
+            "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items() if k != "batch_size"}
+            | {"prefill_chunk": cfg.prefill_chunk},
+            "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
+                          "out": str(out), "reference_dir": cfg.reference},
+            "environment": _environment(), "config_version": CONFIG_VERSION,
+        })
+        _check_or_write_config(out, config)
+
+        store = RecordStore(out / RECORDS_FILE)
+        done = store.keys()
+        jobs: list[_Job] = []
+        for ex in examples:
+            todo = [s for s in range(cfg.samples) if (ex.id, s) not in done]
+            if not todo:
+                continue
+            text, ids = rendered[ex.id]
+            per_prompt = mode == "prompt_length" and policy.compresses
+            budget = _example_budget(cfg, ex, len(ids)) if per_prompt else policy_record["budget"]
+            jobs += [_Job(ex, s, text, ids, budget) for s in todo]
+        _generate(cfg, bundle, jobs, sampling, grader, store, generate)
+        summary = summarize(store.records())
+        summary.update(complete=all((ex.id, s) in store.keys() for ex in examples for s in range(cfg.samples)),
+                       dataset=cfg.dataset, model=cfg.model, policy=cfg.policy, budget=policy_record["budget"],
+                       budget_ratio=cfg.budget_ratio)
+        _write_json(out / SUMMARY_FILE, summary)
+    return out
+
+
+def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: SamplingParams, grader: Grader,
+              store: RecordStore, generate: Any) -> None:
+    """Generate every job through the engine (one call per distinct budget), recording each as it finishes."""
+    from tqdm import tqdm
+
+    if not jobs:
+        return
+    session = time.time()
+    groups: dict[int | None, list[_Job]] = defaultdict(list)
+    for job in jobs:
+        groups[job.budget].append(job)
+    bar = tqdm(total=len(jobs), desc=f"{cfg.dataset}/{cfg.policy}", unit="ex", disable=cfg.quiet, dynamic_ncols=True)
+    correct = finished_count = 0
+    try:
+        for budget, group in groups.items():
+            policy = _make_policy(cfg, budget)
+            params = [dataclasses.replace(sampling, seed=sample_seed(cfg.seed, j.example.id, j.sample)) for j in group]
+
+            def finished(result: Any, group: list[_Job] = group, params: list[SamplingParams] = params) -> None:
+                nonlocal correct, finished_count
+                job = group[result.index]
+                verdict = grader.grade(result.text, job.example)
+                record = {
+                    "id": job.example.id, "sample": job.sample, "seed": params[result.index].seed,
+                    "prompt": job.prompt, "output": result.text, "reference": job.example.reference,
+                    "extracted": verdict.extracted, "correct": verdict.correct, "score": verdict.score,
+                    "grade_detail": verdict.detail, "generated_tokens": result.generated_tokens,
+                    "prompt_tokens": result.prompt_tokens, "peak_kv_tokens": result.peak_kv_tokens,
+                    "peak_kv_bytes": result.peak_kv_bytes, "compressions": result.compressions,
+                    "compress_seconds": result.compress_seconds, "seconds": result.seconds,
+                    "finish_reason": result.finish_reason, "budget": budget, "session": session,
+                    "finished_at": time.time(),
+                }
+                clash = CORE_RECORD_KEYS & set(job.example.meta)
+                if clash:
+                    raise SkipKVError(f"example meta key {sorted(clash)[0]!r} clashes with a record field")
+                record.update(job.example.meta)
+                store.append(record)
+                correct, finished_count = correct + verdict.correct, finished_count + 1
+                bar.update(1)
+                bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
+
+            generate(bundle, [j.prompt_ids for j in group], params, policy,
+                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk),
+                     on_result=finished, progress=False)
+    finally:
+        bar.close()

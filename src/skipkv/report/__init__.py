@@ -1,0 +1,19 @@
+"""Reports from run dirs: tables (terminal, Markdown) and PNG plots. Reads records only; never runs a model.
+
+    skipkv report runs/sweep_gsm8k --format both
+    from skipkv.report import build_report; build_report([Path("runs/x")], Path("runs/x/report"))
+"""
+
+__all__ = ["FORMATS", "build_report"]
+
+# What `skipkv report --format` accepts: print tables, write report.md + PNGs, or both.
+FORMATS: tuple[str, ...] = ("md", "terminal", "both")
+
+
+def __getattr__(name: str):
+    # Lazy: `skipkv --help` imports report.cli, which should not pay for matplotlib.
+    if name == "build_report":
+        from skipkv.report.build import build_report
+
+        return build_report
+    raise AttributeError(name)
