@@ -19,6 +19,7 @@ from skipkv.errors import SkipKVError
 COMMAND_MODULES = [
     "skipkv.engine.cli",
     "skipkv.models.cli",
+    "skipkv.eval.cli",
     "skipkv.sweep",
     "skipkv.report.cli",
 ]
