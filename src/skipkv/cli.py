@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "skipkv.eval.cli",
     "skipkv.sweep",
     "skipkv.report.cli",
+    "skipkv.bench.cli",
 ]
 
 
