@@ -38,6 +38,13 @@ class QueryBuffer:
         """Record the last W real queries of rows [start, start+B). q: [B, Hq, T, D]; positions [B, T]; real [B]."""
         B, _, T, _ = q.shape
         W = self.window
+        if T == 1:  # decode: every row has exactly one real query
+            ring = positions[:, 0] % W
+            rows = torch.arange(start, start + B, device=q.device)
+            self.q[layer, rows, :, ring] = q[:, :, 0]
+            if layer == 0:
+                self.qpos[rows, ring] = positions[:, 0]
+            return
         t = real.to(q.device)[:, None] - W + torch.arange(W, device=q.device)  # [B, W] token index in this chunk
         valid = t >= 0
         t = t.clamp(min=0)
