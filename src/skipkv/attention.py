@@ -103,9 +103,14 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = module.layer_idx
     B, Hq, T, D = query.shape
     H, K = key.shape[1], key.shape[2]
-    mask = ctx.mask(layer, T, K, query.device)
     if ctx.queries is not None:
         ctx.queries.write(layer, ctx.start, query, ctx.positions, ctx.real)
+    if not ctx.accumulate and T == K:
+        # A fresh prefill (every slot was empty): plain causal attention is exact for the real tokens of
+        # right-padded rows, and needs no [B, 1, T, K] mask, so SDPA can take its fused, O(T)-memory path.
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
+        return out.transpose(1, 2).contiguous(), None
+    mask = ctx.mask(layer, T, K, query.device)
     if not ctx.accumulate:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=H != Hq)
         return out.transpose(1, 2).contiguous(), None
