@@ -10,8 +10,19 @@ import pytest
 
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
-from skipkv.eval.datasets import (DATASETS, GSM8K, AIME24, HumanEval, MATH500, DataRequest, Example, data_request,
-                                  dataset_names, get_dataset, gsm8k_final)
+from skipkv.eval.datasets import (
+    AIME24,
+    DATASETS,
+    GSM8K,
+    MATH500,
+    DataRequest,
+    Example,
+    HumanEval,
+    data_request,
+    dataset_names,
+    get_dataset,
+    gsm8k_final,
+)
 from skipkv.models.random import byte_tokenizer
 
 # Row counts and checksums from shared/data/README.md: the packaged copies are those files, unchanged.
@@ -125,7 +136,8 @@ def test_code_and_answer_prefix_prompts() -> None:
     assert "```python\n" + stub + "```" in prompts.render(tok, ex, "chat")
     needle = Example("n", "niah", {"context": "hay", "query": "red-fox"}, "1")
     chat = prompts.render(tok, needle, "chat")
-    assert chat.endswith("<|im_start|>assistant\nThe special magic number for red-fox mentioned in the provided text is")
+    assert chat.endswith("<|im_start|>assistant\n"
+                         "The special magic number for red-fox mentioned in the provided text is")
     assert prompts.render(tok, needle, "raw").endswith("?\nThe special magic number for red-fox mentioned in the "
                                                        "provided text is")
 

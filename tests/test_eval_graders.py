@@ -8,8 +8,17 @@ import json
 import pytest
 
 from skipkv.eval.datasets import Example, packaged
-from skipkv.eval.graders import (GRADERS, ContainsGrader, ExactGrader, GSM8KGrader, MathGrader, build_program,
-                                 extract_code, last_boxed, last_number)
+from skipkv.eval.graders import (
+    GRADERS,
+    ContainsGrader,
+    ExactGrader,
+    GSM8KGrader,
+    MathGrader,
+    build_program,
+    extract_code,
+    last_boxed,
+    last_number,
+)
 
 # (output, reference, correct?) for the math grader: last \boxed{} + math-verify.
 MATH_TABLE = [
@@ -133,7 +142,8 @@ def test_extract_code_and_program() -> None:
     assert extract_code(reply, "add").startswith("def add(a, b):")
     assert extract_code("    return a + b\n", "add") == "    return a + b\n"
     prompt = "import os\n\n\ndef add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n"
-    program = build_program(prompt, "def add(a, b):\n    return a + b\n", "def check(c):\n    assert c(1, 2) == 3\n", "add")
+    test = "def check(c):\n    assert c(1, 2) == 3\n"
+    program = build_program(prompt, "def add(a, b):\n    return a + b\n", test, "add")
     assert program.count("def add") == 1 and program.startswith("import os")
     program = build_program(prompt, "    return a + b\n", "def check(c):\n    assert c(1, 2) == 3\n", "add")
     assert program.startswith(prompt) and program.rstrip().endswith("check(add)")

@@ -21,8 +21,14 @@ from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
 from skipkv.eval.datasets import DataRequest, get_dataset
 from skipkv.eval.graders import ContainsGrader
-from skipkv.eval.longctx import (insert_sentences, load_essays, make_common_words, make_niah, make_variable_tracking,
-                                 needle)
+from skipkv.eval.longctx import (
+    insert_sentences,
+    load_essays,
+    make_common_words,
+    make_niah,
+    make_variable_tracking,
+    needle,
+)
 from skipkv.models.random import CHATML, SPECIALS, byte_tokenizer
 
 

@@ -25,12 +25,12 @@ TIMEOUT = 1.5
 SECRET = "s3cret-from-the-parent"
 
 
-def task(body: str, check: str = "    assert candidate() is True\n") -> Example:
-    """A HumanEval-shaped task whose function `attack` runs `body` and returns its result."""
+def task(body: str, check: str = "    assert candidate() is True\n") -> tuple[Example, str]:
+    """A HumanEval-shaped task whose function `attack` runs `body` and returns its result, and that completion."""
     prompt = "def attack():\n    \"\"\"Try something.\"\"\"\n"
     completion = "".join(f"    {line}\n" for line in body.splitlines())
-    return Example("t", "code", {"prompt": prompt}, f"def check(candidate):\n{check}", {"entry_point": "attack"}), \
-        completion  # type: ignore[return-value]
+    example = Example("t", "code", {"prompt": prompt}, f"def check(candidate):\n{check}", {"entry_point": "attack"})
+    return example, completion
 
 
 @pytest.fixture(scope="module")

@@ -99,13 +99,15 @@ def register(sub) -> None:
                    "derives its own from it")
     p.add_argument("--max-new-tokens", type=int, help="generation cap (default: the dataset's)")
     p.add_argument("--batch-size", type=int, help=f"default {d['batch_size']}")
-    p.add_argument("--prefill-chunk", type=int, help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
+    p.add_argument("--prefill-chunk", type=int,
+                   help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
     p.add_argument("--prompt-style", choices=STYLES, help=f"default {d['prompt_style']}")
     p.add_argument("--dtype", help=f"default {d['dtype']}")
     p.add_argument("--device", help=f"default {d['device']}")
     p.add_argument("--source", choices=("local", "hub"), help="local (packaged or --data) or hub (needs `datasets`)")
     p.add_argument("--data", help="a JSONL in the packaged schema, or a haystack .txt for long-context sets")
-    p.add_argument("--lengths", type=_list_of(int, "integers"), help="long context: prompt lengths in tokens, e.g. 4096,8192")
+    p.add_argument("--lengths", type=_list_of(int, "integers"),
+                   help="long context: prompt lengths in tokens, e.g. 4096,8192")
     p.add_argument("--depths", type=_list_of(float, "fractions"), help="niah: needle depths in [0, 1], e.g. 0,0.5,1")
     p.add_argument("--per-length", type=int, help="long context: examples per length (niah: per length x depth)")
     p.add_argument("--data-seed", type=int, help="seed of the long-context generators (default 0)")

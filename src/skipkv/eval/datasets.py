@@ -1,8 +1,8 @@
 """Evaluation datasets, registered by name: gsm8k, math500, aime24, humaneval (+ the long-context sets in longctx.py).
 
-    skipkv eval --model M --dataset gsm8k --policy rkv --budget 256 --out runs/g           # packaged copy
-    skipkv eval ... --dataset math500 --data my_math.jsonl                                 # same schema, own file
-    skipkv eval ... --dataset aime24 --source hub                                          # needs `pip install datasets`
+    skipkv eval --model M --dataset gsm8k --policy rkv --budget 256 --out runs/g   # packaged copy
+    skipkv eval ... --dataset math500 --data my_math.jsonl                 # same schema, own file
+    skipkv eval ... --dataset aime24 --source hub                          # needs `pip install datasets`
 
 The packaged files (skipkv/data/*.jsonl, copied from shared/data; sources and licences in data/README.md)
 make a fresh install work offline. A `--data` file must use the same schema (one JSON object a line:
@@ -130,7 +130,8 @@ def hub_rows(repo: str, config: str | None, split: str) -> list[dict]:
     try:
         return [dict(r) for r in datasets.load_dataset(repo, config, split=split)]
     except Exception as exc:  # network, auth, renamed repo: one line for the user
-        raise SkipKVError(f"cannot load {repo} from the hub: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise SkipKVError(f"cannot load {repo} from the hub: {first}") from None
 
 
 class FileDataset(Dataset):

@@ -459,7 +459,8 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
             policy = _make_policy(cfg, budget)
             params = [dataclasses.replace(sampling, seed=sample_seed(cfg.seed, j.example.id, j.sample)) for j in group]
 
-            def finished(result: Any, group: list[_Job] = group, params: list[SamplingParams] = params) -> None:
+            def finished(result: Any, group: list[_Job] = group, params: list[SamplingParams] = params,
+                         budget: int | None = budget) -> None:
                 nonlocal correct, finished_count
                 job = group[result.index]
                 verdict = grader.grade(result.text, job.example)

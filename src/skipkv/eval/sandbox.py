@@ -82,7 +82,8 @@ def _hook(event, args):
         raise PermissionError("sandbox: " + event + " is not allowed")
     if event == "open":
         path, mode, flags = args
-        writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        writes = (mode is not None and any(c in str(mode) for c in "wax+")) \
+            or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
         if writes and not _inside(path):
             raise PermissionError("sandbox: write outside the work dir")
         if not isinstance(path, int) and _other_process(path):
