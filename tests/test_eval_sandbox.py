@@ -19,7 +19,7 @@ import pytest
 
 from skipkv.eval.datasets import Example, packaged
 from skipkv.eval.graders import CodeGrader
-from skipkv.eval.sandbox import NOBODY, Sandbox, SandboxLimits
+from skipkv.eval.sandbox import Sandbox, SandboxLimits
 
 TIMEOUT = 1.5
 SECRET = "s3cret-from-the-parent"
@@ -119,11 +119,13 @@ def test_hostile_programs_are_contained(namespaces: CodeGrader, listener, tmp_pa
     assert not hits, "the sandbox reached the parent's TCP listener"
     assert not outside.exists()
     assert not Path(f"/tmp/skipkv-escape-{os.getpid()}").exists()
-    # The fork bomb left nothing running: processes of the sandbox user are gone once the run returned.
+    # A fork bomb leaves nothing running: the processes of the run's uid are gone once the run returned.
+    bomb = Sandbox(SandboxLimits(timeout_s=TIMEOUT)).run(_attacks(port, outside)["fork bomb"])
+    assert bomb.status == "timeout" and bomb.uid is not None
     deadline = time.time() + 3
-    while time.time() < deadline and _processes_of(NOBODY):
+    while time.time() < deadline and _processes_of(bomb.uid):
         time.sleep(0.1)
-    assert _processes_of(NOBODY) == 0
+    assert _processes_of(bomb.uid) == 0
     # ... and grading goes on: an honest solution still passes in the same sandbox.
     assert grade(namespaces, "return True")[0].correct
 

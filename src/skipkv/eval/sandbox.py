@@ -13,8 +13,10 @@ child before exec. Two isolation levels:
   new network namespace (no interfaces but a down loopback: nothing is reachable), new mount namespace
   in which every mount is remounted read-only except the throwaway directory, new PID namespace with
   its own /proc (the parent's processes and their environments are invisible; when the sandbox's
-  init dies the kernel kills everything left in it, which ends fork bombs), and the code runs as the
-  unprivileged user `nobody` (so RLIMIT_NPROC is enforced, which root would bypass).
+  init dies the kernel kills everything left in it, which ends fork bombs), and the code runs under an
+  unprivileged uid of its own, drawn at random per run from a range no account uses: RLIMIT_NPROC
+  (which root would bypass) then counts only this run's processes, so concurrent sandboxes, say two
+  test runs at once, cannot exhaust each other's process allowance.
 - `basic` (anything else): the same limits and clean environment, plus a Python audit hook installed
   before the code runs that refuses sockets, subprocesses, forks, ctypes and writes outside the
   throwaway directory. Native code could get past an audit hook; this level is best effort and the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import os
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -36,21 +39,21 @@ from pathlib import Path
 
 from skipkv.errors import SkipKVError
 
-NOBODY = 65534  # uid/gid the code runs as under `namespaces`
+UID_RANGE = (1_000_000_000, 2_000_000_000)  # per-run uids/gids under `namespaces`; no account lives there
 MIN_PATH = "/usr/bin:/bin"
 
-# Runs as root inside the new namespaces, then drops to `nobody` and execs Python.
+# Runs as root inside the new namespaces, then drops to the run's uid ($2) and execs Python.
 # Every mount becomes a read-only bind except the work dir ($1), which gets its own writable bind.
 _NS_SETUP = r"""
 set -e
-w="$1"; shift
+w="$1"; id="$2"; shift 2
 mount --make-rprivate /
 mount --bind "$w" "$w"
 for m in $(awk '{print $2}' /proc/self/mounts); do mount -o remount,bind,ro "$m" 2>/dev/null || true; done
 mount -o remount,bind,rw "$w"
 cd "$w"
-exec setpriv --reuid=%(uid)d --regid=%(uid)d --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
-""" % {"uid": NOBODY}
+exec setpriv --reuid="$id" --regid="$id" --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
+"""
 
 # Under `basic`, this runs before the untrusted program (same process) and refuses what the OS
 # would otherwise allow. Audit hooks cannot be removed once added.
@@ -120,6 +123,7 @@ class SandboxResult:
     stderr: str
     seconds: float
     isolation: str
+    uid: int | None = None  # the uid the code ran as (namespaces), e.g. to check that nothing outlived the run
 
     @property
     def passed(self) -> bool:
@@ -183,17 +187,17 @@ class Sandbox:
             return False
         if not (shutil.which("unshare") and shutil.which("setpriv") and shutil.which("mount")):
             return False
-        probe = self._run("import os\nassert os.getuid() == %d\n" % NOBODY, "namespaces")
-        return probe.passed
+        probe = self._run("import os\nprint(os.getuid())\n", "namespaces")
+        return probe.passed and probe.stdout.strip() == str(probe.uid)
 
     def run(self, code: str) -> SandboxResult:
         """Execute `code` as a program in a fresh work dir; exit status 0 means passed."""
         return self._run(code, self.isolation)
 
-    def _command(self, isolation: str, workdir: Path) -> list[str]:
+    def _command(self, isolation: str, workdir: Path, uid: int | None) -> list[str]:
         if isolation == "namespaces":
             return ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                    "--mount-proc", "--", "sh", "-c", _NS_SETUP, "sandbox", str(workdir),
+                    "--mount-proc", "--", "sh", "-c", _NS_SETUP, "sandbox", str(workdir), str(uid),
                     self.python, "-I", "-B", "prog.py"]
         (workdir / "_guard.py").write_text(_GUARD, encoding="utf-8")
         return [self.python, "-I", "-B", "_guard.py"]
@@ -203,13 +207,15 @@ class Sandbox:
         workdir = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-"))
         try:
             (workdir / "prog.py").write_text(code, encoding="utf-8")
+            uid = None
             if isolation == "namespaces":
-                os.chown(workdir, NOBODY, NOBODY)
-                os.chown(workdir / "prog.py", NOBODY, NOBODY)
+                uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+                os.chown(workdir, uid, uid)
+                os.chown(workdir / "prog.py", uid, uid)
             env = {"PATH": MIN_PATH, "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8"}
             start = time.perf_counter()
             with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err:
-                proc = subprocess.Popen(self._command(isolation, workdir), cwd=workdir, env=env,
+                proc = subprocess.Popen(self._command(isolation, workdir, uid), cwd=workdir, env=env,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                         preexec_fn=_limits_preexec(self.limits), start_new_session=True)
                 try:
@@ -222,7 +228,7 @@ class Sandbox:
                     returncode, status = None, "timeout"
             seconds = time.perf_counter() - start
             return SandboxResult(status, returncode, _tail(logs / "out", self.limits.output_bytes),
-                                 _tail(logs / "err", self.limits.output_bytes), seconds, isolation)
+                                 _tail(logs / "err", self.limits.output_bytes), seconds, isolation, uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(logs, ignore_errors=True)
