@@ -97,6 +97,8 @@ def test_compression_changes_output(tiny):
     assert rkv.token_ids != full.token_ids
     # The whole prompt (51 tokens) is staged before its first compression...
     assert rkv.peak_kv_tokens == rkv.prompt_tokens < full.peak_kv_tokens
+    # ...and once decoding, the request never holds more than budget + interval.
+    assert rkv.decode_peak_kv_tokens == 16
     # ...unless it is prefilled in chunks, which bounds the peak by budget + chunk.
     chunked = generate(tiny, PROMPTS[1:2], sp, make_policy("rkv", budget=12, window=4, interval=4),
                        EngineConfig(prefill_chunk=4))[0]

@@ -138,7 +138,7 @@ def test_report_writes_markdown_and_plots(sweep, tmp_path):
     report = build_report([sweep], out, fmt="md")
     md = (out / "report.md").read_text()
     assert "## gsm8k — random:qwen2" in md
-    assert "| rkv | 128 | 60.0 | 160.0 | 115.2 | 128 | 3.00 | 5 | 2 |" in md
+    assert "| rkv | 128 | 60.0 | 160.0 | 115.2 | 128 | — | 3.00 | 5 | 2 |" in md
     assert "| full | full | 100.0 |" in md
     names = sorted(p.path.name for p in report.plots)
     assert names == ["gsm8k_accuracy.png", "gsm8k_gen_len.png"]
@@ -193,7 +193,7 @@ def test_missing_stats_show_as_dash(tmp_path):
     (section,) = aggregate(load_runs([tmp_path]))
     assert math.isnan(section.rows[0].mean_kv_tokens)
     md = build_report([tmp_path], tmp_path / "rep", fmt="md").markdown_path.read_text()
-    assert "| rkv | 128 | 100.0 | 10.0 | — | — | — | 1 | 1 |" in md
+    assert "| rkv | 128 | 100.0 | 10.0 | — | — | — | — | 1 | 1 |" in md
 
 
 def _main(monkeypatch, argv: list[str]) -> int:

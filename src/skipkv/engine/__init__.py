@@ -75,7 +75,8 @@ def _result(tokenizer, r: Request) -> RequestResult:
         text = text[: min(cut)] if cut else text
     return RequestResult(index=r.index, text=text, token_ids=list(r.output_ids), prompt_tokens=r.prompt_len,
                          generated_tokens=len(r.output_ids), peak_kv_tokens=r.peak_kv_tokens,
-                         peak_kv_bytes=r.peak_kv_bytes, compressions=r.compressions,
+                         peak_kv_bytes=r.peak_kv_bytes, decode_peak_kv_tokens=r.decode_peak_kv_tokens,
+                         decode_peak_kv_bytes=r.decode_peak_kv_bytes, compressions=r.compressions,
                          compress_seconds=r.compress_seconds, seconds=time.perf_counter() - r.started,
                          finish_reason=r.finish_reason or "length")
 

@@ -20,6 +20,8 @@ class RequestResult:
     generated_tokens: int
     peak_kv_tokens: int  # most entries held per kv head (largest layer), at any moment
     peak_kv_bytes: int  # most K/V bytes held over all layers, at any moment
+    decode_peak_kv_tokens: int  # the same two peaks over decode steps only: what the request holds once a
+    decode_peak_kv_bytes: int  # long prompt has been staged and compressed (the steady state)
     compressions: int
     compress_seconds: float
     seconds: float  # from admission to finish
@@ -36,6 +38,8 @@ class Request:
     finish_reason: str | None = None
     peak_kv_tokens: int = 0
     peak_kv_bytes: int = 0
+    decode_peak_kv_tokens: int = 0
+    decode_peak_kv_bytes: int = 0
     compressions: int = 0
     compress_seconds: float = 0.0
     started: float = 0.0
@@ -51,6 +55,9 @@ class Request:
         """True position of the newest generated token (the one the next decode step feeds)."""
         return self.prompt_len + len(self.output_ids) - 1
 
-    def note_memory(self, tokens: int, nbytes: int) -> None:
+    def note_memory(self, tokens: int, nbytes: int, decoding: bool) -> None:
         self.peak_kv_tokens = max(self.peak_kv_tokens, tokens)
         self.peak_kv_bytes = max(self.peak_kv_bytes, nbytes)
+        if decoding:
+            self.decode_peak_kv_tokens = max(self.decode_peak_kv_tokens, tokens)
+            self.decode_peak_kv_bytes = max(self.decode_peak_kv_bytes, nbytes)

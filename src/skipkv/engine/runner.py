@@ -54,12 +54,12 @@ class ModelRunner:
     def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden_last).float()
 
-    def _note_memory(self, start: int, requests: list[Request]) -> None:
+    def _note_memory(self, start: int, requests: list[Request], decoding: bool) -> None:
         lengths = self.store.lengths[:, start:start + len(requests)]
         tokens = lengths.amax(dim=0).tolist()
         nbytes = (lengths.sum(dim=0) * self.store.bytes_per_entry).tolist()
         for r, t, b in zip(requests, tokens, nbytes):
-            r.note_memory(t, b)
+            r.note_memory(t, b, decoding)
 
     def target_capacity(self, extra: list[Request] = ()) -> int:
         reqs = list(self.running) + list(extra)
@@ -90,7 +90,7 @@ class ModelRunner:
             # Each chunk is staged whole before compression brings the request back to its budget.
             self.store.ensure_capacity(int(self.store.lengths[:, start:start + k].max()) + c1 - c0)
             hidden = self._forward(start, ids[:, c0:c1], positions, real)
-            self._note_memory(start, new)
+            self._note_memory(start, new, decoding=False)
             for i, r in enumerate(new):
                 if c0 <= r.prompt_len - 1 < c1:
                     last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
@@ -110,7 +110,7 @@ class ModelRunner:
         if self.steering is not None:
             self.steering.prepare(ids[:, 0], [r.state for r in self.running])
         hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
-        self._note_memory(0, self.running)
+        self._note_memory(0, self.running, decoding=True)
         if self.need_hidden:
             for i, r in enumerate(self.running):
                 self.policy.observe(r.state, ids[i], hidden[i])

@@ -30,7 +30,9 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   prompt, output                 the exact prompt text and the generated text
   reference, extracted           the reference answer(s) (code: the test program) and what the grader read
   correct, score, grade_detail   bool; float in [0, 1] (fraction of references found, else 0/1); a short note
-  generated_tokens, prompt_tokens, peak_kv_tokens, peak_kv_bytes, compressions, compress_seconds, seconds
+  generated_tokens, prompt_tokens, peak_kv_tokens, peak_kv_bytes (peaks at any moment, a long prompt's
+  staging before its compression included), decode_peak_kv_tokens, decode_peak_kv_bytes (peaks over decode
+  steps only), compressions, compress_seconds, seconds
   finish_reason                  "eos" | "length" | "stop"
   budget                         the KV budget this request ran under (null for a policy that keeps everything)
   session, finished_at           unix time the generating process started generating / this record finished
@@ -42,7 +44,8 @@ summary.json — over all records in the directory:
   accuracy                       pass@1: per example the mean of `correct` over its samples, then the mean
   score                          the same average of `score`
   mean_generated_tokens, mean_prompt_tokens, mean_peak_kv_tokens, peak_kv_tokens,
-  mean_peak_kv_bytes, peak_kv_bytes, mean_compressions, finish_reasons {reason: count}
+  mean_peak_kv_bytes, peak_kv_bytes, mean_decode_peak_kv_tokens, mean_decode_peak_kv_bytes,
+  mean_compressions, finish_reasons {reason: count}
   tokens_per_second              generated tokens / generation wall time, summed over sessions
   by                             {meta key: {value: accuracy}} for length and depth, when examples have them
   dataset, model, policy, budget, budget_ratio
@@ -78,8 +81,8 @@ IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy"
                  "budget_reference", "sampling", "grader", "engine")
 CORE_RECORD_KEYS = frozenset({
     "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
-    "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "compressions", "compress_seconds",
-    "seconds", "finish_reason", "budget", "session", "finished_at"})
+    "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
+    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1
 
@@ -354,6 +357,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_generated_tokens": mean("generated_tokens"), "mean_prompt_tokens": mean("prompt_tokens"),
         "mean_peak_kv_tokens": mean("peak_kv_tokens"), "peak_kv_tokens": max(int(r["peak_kv_tokens"]) for r in records),
         "mean_peak_kv_bytes": mean("peak_kv_bytes"), "peak_kv_bytes": max(int(r["peak_kv_bytes"]) for r in records),
+        # Peaks over decode steps only (after a long prompt's staging and compression): the steady state.
+        "mean_decode_peak_kv_tokens": mean("decode_peak_kv_tokens"),
+        "mean_decode_peak_kv_bytes": mean("decode_peak_kv_bytes"),
         "mean_compressions": mean("compressions"),
         "finish_reasons": dict(Counter(str(r["finish_reason"]) for r in records)),
         "tokens_per_second": timed / wall if wall > 0 else None,
@@ -470,7 +476,8 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                     "extracted": verdict.extracted, "correct": verdict.correct, "score": verdict.score,
                     "grade_detail": verdict.detail, "generated_tokens": result.generated_tokens,
                     "prompt_tokens": result.prompt_tokens, "peak_kv_tokens": result.peak_kv_tokens,
-                    "peak_kv_bytes": result.peak_kv_bytes, "compressions": result.compressions,
+                    "peak_kv_bytes": result.peak_kv_bytes, "decode_peak_kv_tokens": result.decode_peak_kv_tokens,
+                    "decode_peak_kv_bytes": result.decode_peak_kv_bytes, "compressions": result.compressions,
                     "compress_seconds": result.compress_seconds, "seconds": result.seconds,
                     "finish_reason": result.finish_reason, "budget": budget, "session": session,
                     "finished_at": time.time(),

@@ -53,6 +53,7 @@ class Row:
     mean_kv_tokens: float  # mean over records of each record's peak KV length
     peak_kv_tokens: float  # max over records
     peak_kv_mib: float  # max over records of peak KV bytes, in MiB
+    mean_decode_kv_tokens: float = math.nan  # mean over records of the peak KV length over decode steps only
     ratio_of: str = "the full cache"  # what `ratio` is a fraction of
     records: tuple[dict[str, Any], ...] = field(default=(), repr=False, compare=False)
 
@@ -112,6 +113,7 @@ def summarize(runs_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, flo
         "mean_kv_tokens": _mean(kv_tokens),
         "peak_kv_tokens": max(kv_tokens) if kv_tokens else math.nan,
         "peak_kv_mib": max(kv_bytes) / MIB if kv_bytes else math.nan,
+        "mean_decode_kv_tokens": _mean(_values(records, "decode_peak_kv_tokens")),
     }
 
 

@@ -25,6 +25,7 @@ COLUMNS: list[tuple[str, Callable[[Row], str], bool]] = [
     ("gen len (tok)", lambda r: _num(r.mean_generated_tokens, 1), True),
     ("KV mean (tok)", lambda r: _num(r.mean_kv_tokens, 1), True),
     ("KV peak (tok)", lambda r: _num(r.peak_kv_tokens, 0), True),
+    ("KV decode (tok)", lambda r: _num(r.mean_decode_kv_tokens, 1), True),
     ("KV peak (MiB)", lambda r: _num(r.peak_kv_mib, 2), True),
     ("n", lambda r: str(r.n), True),
     ("runs", lambda r: str(r.num_runs), True),
@@ -33,7 +34,8 @@ COLUMNS: list[tuple[str, Callable[[Row], str], bool]] = [
 COLUMN_NOTE = ("acc: pass@1 (per example the mean over its samples, then the mean over examples, pooled over "
                "seeds); gen len: mean generated tokens; KV mean: the mean over examples of each example's peak KV "
                "length per kv head, as the engine measured it (it can include a prompt before its first compression); "
-               "KV peak: the maximum; budget: "
+               "KV peak: the maximum; KV decode: the mean of each example's peak over decode steps only (after a "
+               "long prompt was compressed); budget: "
                "tokens per request per kv head, or in % a budget ratio; runs: run dirs pooled (seeds).")
 
 
