@@ -187,6 +187,7 @@ def test_summary_arithmetic() -> None:
     def r(i: str, s: int, ok: bool, gen: int, session: float, t: float) -> dict:
         return {"id": i, "sample": s, "correct": ok, "score": float(ok), "generated_tokens": gen, "prompt_tokens": 10,
                 "peak_kv_tokens": 10 + gen, "peak_kv_bytes": 100 * (10 + gen), "compressions": 1,
+                "decode_peak_kv_tokens": gen, "decode_peak_kv_bytes": 100 * gen,
                 "finish_reason": "eos", "session": session, "finished_at": t}
 
     rows = [r("a", 0, True, 10, 0.0, 1.0), r("a", 1, False, 20, 0.0, 2.0), r("a", 2, True, 30, 5.0, 6.0),
@@ -196,6 +197,7 @@ def test_summary_arithmetic() -> None:
     assert s["accuracy"] == pytest.approx(0.375)
     assert (s["n"], s["n_examples"], s["samples"]) == (5, 2, 4)
     assert s["mean_generated_tokens"] == 30 and s["peak_kv_tokens"] == 60 and s["peak_kv_bytes"] == 6000
+    assert s["mean_decode_peak_kv_tokens"] == 30 and s["mean_decode_peak_kv_bytes"] == 3000
     # two sessions: 30 tokens in 2 s, then 120 tokens in 3 s
     assert s["tokens_per_second"] == pytest.approx(150 / 5)
     assert summarize([]) == {"n": 0, "n_examples": 0}
