@@ -3,10 +3,11 @@
     skipkv bench decode --model random:qwen2:0.5b --policies full,rkv --budget 256 --interval 128 \
         --lengths 256,1024,4096 --out docs/bench_decode.json
 
-For each policy the same prompt is prefilled and decoded with `ignore_eos` up to the longest length. The
+For each policy the same prompt is prefilled and decoded with `ignore_eos` up to the longest length, all
+policies in lockstep (one decode step of each in turn). The
 step time at length L is the median of the steps in (L - span, L] that did not compress (so it is the cost of
 attention over the cache actually held); compression time is reported apart, as a share of decode time.
-Ratios between policies come from the same run, since this machine is shared and noisy.
+Ratios between policies come from the same run and the same moments, since this machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -39,40 +40,61 @@ class PolicyRun:
     tokens_per_s: float = 0.0
 
 
-def bench_policy(bundle, policy, prompt: str, lengths: list[int], batch_size: int, span: int) -> PolicyRun:
-    total = max(lengths)
-    sp = SamplingParams(max_new_tokens=total, ignore_eos=True)
-    reqs = _requests(bundle, [prompt] * batch_size, sp, policy)
-    runner = ModelRunner(bundle, policy, num_slots=batch_size)
-    times: list[float] = []
-    compressed: list[bool] = []
-    held: list[int] = []
-    run = PolicyRun(policy=type(policy).__name__)
-    with attention_backend(bundle.model), torch.inference_mode():
-        for r, t in zip(reqs, runner.prefill(reqs)):
+class _Lane:
+    """One policy's requests and runner, stepped in lockstep with the other policies' lanes."""
+
+    def __init__(self, bundle, policy, prompt: str, total: int, batch_size: int) -> None:
+        sp = SamplingParams(max_new_tokens=total, ignore_eos=True)
+        self.reqs = _requests(bundle, [prompt] * batch_size, sp, policy)
+        self.runner = ModelRunner(bundle, policy, num_slots=batch_size)
+        self.run = PolicyRun(policy=type(policy).__name__)
+        self.times: list[float] = []
+        self.compressed: list[bool] = []
+        self.held: list[int] = []
+
+    def prefill(self) -> None:
+        for r, t in zip(self.reqs, self.runner.prefill(self.reqs)):
             r.output_ids.append(t)
+
+    def step(self) -> None:
+        before = self.reqs[0].compressions
+        t0 = time.perf_counter()
+        toks = self.runner.decode()
+        self.times.append(time.perf_counter() - t0)
+        self.compressed.append(self.reqs[0].compressions > before)
+        self.held.append(int(self.runner.store.lengths[0, 0]))
+        for r, t in zip(self.runner.running, toks):
+            r.output_ids.append(t)
+
+    def finish(self, lengths: list[int], span: int) -> PolicyRun:
+        run, times = self.run, self.times
+        for L in lengths:
+            # decode step i (0-based) brings the request to i + 2 generated tokens; take the steps ending at L
+            lo, hi = max(0, L - 1 - span), L - 1
+            window = [t for t, c in zip(times[lo:hi], self.compressed[lo:hi]) if not c]
+            run.step_ms[L] = 1000 * statistics.median(window)
+            run.kv_tokens[L] = self.held[hi - 1]
+        run.peak_kv_bytes = max(r.peak_kv_bytes for r in self.reqs)
+        run.allocated_peak_bytes = self.runner.store.peak_allocated
+        run.decode_s = sum(times)
+        run.compress_s = sum(r.compress_seconds for r in self.reqs)
+        run.compressions = self.reqs[0].compressions
+        run.tokens_per_s = len(self.reqs) * len(times) / run.decode_s
+        return run
+
+
+def bench_policies(bundle, policies: list, prompt: str, lengths: list[int], batch_size: int, span: int) -> list[PolicyRun]:
+    """Decode every policy's requests in lockstep (one step of each in turn), so that load from elsewhere on a
+    shared machine hits all policies alike and their ratios stay meaningful."""
+    total = max(lengths)
+    lanes = [_Lane(bundle, p, prompt, total, batch_size) for p in policies]
+    with attention_backend(bundle.model), torch.inference_mode():
+        for lane in lanes:
+            lane.prefill()
         for _ in range(total - 1):
-            before = reqs[0].compressions
-            t0 = time.perf_counter()
-            toks = runner.decode()
-            times.append(time.perf_counter() - t0)
-            compressed.append(reqs[0].compressions > before)
-            held.append(int(runner.store.lengths[0, 0]))
-            for r, t in zip(runner.running, toks):
-                r.output_ids.append(t)
-    for L in lengths:
-        # step i (0-based) produced generated token i + 2; take the steps ending at length L
-        lo, hi = max(0, L - 1 - span), L - 1
-        window = [t for t, c in zip(times[lo:hi], compressed[lo:hi]) if not c]
-        run.step_ms[L] = 1000 * statistics.median(window)
-        run.kv_tokens[L] = held[hi - 1]
-    run.peak_kv_bytes = max(r.peak_kv_bytes for r in reqs)
-    run.allocated_peak_bytes = runner.store.peak_allocated
-    run.decode_s = sum(times)
-    run.compress_s = sum(r.compress_seconds for r in reqs)
-    run.compressions = reqs[0].compressions
-    run.tokens_per_s = batch_size * len(times) / run.decode_s
-    return run
+            for lane in lanes:
+                lane.step()
+    return [lane.finish(lengths, span) for lane in lanes]
 
 
 def machine() -> dict:
@@ -98,11 +120,9 @@ def run_bench(model: str, policies: list[str], lengths: list[int], budget: int, 
 
     bundle = load_model(model, dtype=dtype)
     prompt = "Solve step by step: a train leaves at noon at 60 km/h; when has it covered 150 km?"
-    runs = []
-    for name in policies:
-        knobs = {} if name == "full" else dict(budget=budget, interval=interval, window=window)
-        runs.append(bench_policy(bundle, make_policy(name, **knobs), prompt, lengths, batch_size, span))
-        print(f"{name}: done", flush=True)
+    made = [make_policy(n) if n == "full" else make_policy(n, budget=budget, interval=interval, window=window)
+            for n in policies]
+    runs = bench_policies(bundle, made, prompt, lengths, batch_size, span)
     table = format_table(runs, lengths)
     print(table)
     report = {"model": model, "dtype": dtype, "batch_size": batch_size, "budget": budget, "interval": interval,
