@@ -57,9 +57,10 @@ class KVStore:
         self.peak_allocated = max(self.peak_allocated, self.allocated_bytes())
 
     def ensure_capacity(self, capacity: int) -> None:
-        """Grow (never shrink) to hold `capacity` entries per slot; grows geometrically to amortise copies."""
+        """Grow (never shrink) to hold exactly `capacity` entries per slot. Growth happens only when requests
+        are admitted or a prompt chunk is staged, never per decode step, so exact sizes cost few copies."""
         if capacity > self.capacity:
-            self._allocate(max(capacity, min(2 * self.capacity, capacity + 4096)))
+            self._allocate(capacity)
 
     def resize(self, capacity: int) -> None:
         """Set the capacity exactly (e.g. shrink back to budget + interval after a long prompt was compressed)."""
