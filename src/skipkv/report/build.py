@@ -57,7 +57,7 @@ def render_markdown(runs: list[Run], sections: list[Section], plots: dict[str, l
             rel = plot.path.relative_to(out_dir) if plot.path.is_relative_to(out_dir) else plot.path
             lines += [f"![{plot.caption}]({rel.as_posix()})", ""]
     lines += ["## Run dirs", ""]
-    lines += [f"- `{r.path}`: {r.dataset}, {r.policy}, budget {_budget_text(r)}, seed {r.seed}, n={len(r.records)}"
+    lines += [f"- `{_shown(r.path)}`: {r.dataset}, {r.policy}, budget {_budget_text(r)}, seed {r.seed}, n={len(r.records)}"
               for r in runs]
     notes = [note for r in runs for note in r.notes]
     if notes:
@@ -89,3 +89,9 @@ def build_report(paths: list[Path], out_dir: Path | None, fmt: Format = "both",
         if console is not None:
             console.print(f"wrote {md_path} and {sum(len(p) for p in plots.values())} plots", highlight=False)
     return Report(runs, sections, [p for ps in plots.values() for p in ps], md_path)
+
+
+def _shown(path: Path) -> str:
+    """A run dir as the reader would type it: relative to the working directory when it lies below it."""
+    cwd = Path.cwd().resolve()
+    return path.relative_to(cwd).as_posix() if path.is_relative_to(cwd) else str(path)
