@@ -90,33 +90,24 @@ def test_hidden_states_reach_the_policy(tiny):
     from dataclasses import dataclass
     from typing import ClassVar
 
+    from skipkv.engine import encode_prompt
     from skipkv.policies.full import FullKV
+
+    states: list[dict] = []
 
     @dataclass(frozen=True)
     class Spy(FullKV):
         needs: ClassVar[frozenset[str]] = frozenset({"hidden"})
 
         def init_state(self, prompt_ids, tokenizer):
-            return {"tokens": [], "width": set()}
+            states.append({"tokens": [], "width": set()})
+            return states[-1]
 
         def observe(self, state, token_ids, hidden):
             state["tokens"].extend(token_ids.tolist())
             state["width"].add(hidden.shape[-1])
 
-    policy = Spy()
-    seen = {}
-    orig = Spy.init_state
-
-    def capture(self, ids, tok):
-        st = orig(self, ids, tok)
-        seen[len(seen)] = st
-        return st
-
-    Spy.init_state = capture
-    res = generate(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), policy, EngineConfig(batch_size=2))
-    for i, r in enumerate(res):
-        st = seen[i]
-        from skipkv.engine import encode_prompt
-
-        assert st["tokens"] == encode_prompt(tiny.tokenizer, PROMPTS[i]) + r.token_ids[:-1]
+    res = generate(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), Spy(), EngineConfig(batch_size=2))
+    for prompt, r, st in zip(PROMPTS, res, states):
+        assert st["tokens"] == encode_prompt(tiny.tokenizer, prompt) + r.token_ids[:-1]
         assert st["width"] == {tiny.config.hidden_size}

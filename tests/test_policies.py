@@ -10,7 +10,7 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
 from skipkv.engine.runner import ModelRunner
-from skipkv.engine import _requests
+from skipkv.engine import make_requests
 from skipkv.policies import POLICIES
 
 COMPRESSING = [n for n in POLICIES.names() if POLICIES.get(n).compresses]
@@ -43,7 +43,7 @@ def test_budget_respected_and_protected_tokens_survive(tiny, name):
     and the sink and window tokens (by true position) are still there."""
     policy = make_policy(name, **knobs(name))
     sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    reqs = _requests(tiny, PROMPTS[:2], sp, policy)  # 4 and 51 tokens: one starts over budget
+    reqs = make_requests(tiny, PROMPTS[:2], sp, policy)  # 4 and 51 tokens: one starts over budget
     runner = ModelRunner(tiny, policy, num_slots=2)
     store = runner.store
     with attention_backend(tiny.model), torch.inference_mode():
@@ -107,11 +107,10 @@ def test_compression_changes_output(tiny):
 
 
 def test_h2o_accumulates_attention_over_steps(tiny):
-    """The accumulated score of a kept entry equals the sum of attention it received (checked with an eager
-    recomputation on a 1-layer view): here, the cheap invariant that accumulators are positive and the
-    total attention mass per step adds up (each real query distributes G units over kv heads' keys)."""
+    """Every real query hands out one unit of attention per query head, so after P prompt tokens and 3 decode
+    steps (no eviction yet) each layer's and kv head's accumulators must sum to G * (P + 3), all positive."""
     policy = make_policy("h2o", budget=64, window=4, interval=8)
-    reqs = _requests(tiny, PROMPTS[:1], SamplingParams(max_new_tokens=5, ignore_eos=True), policy)
+    reqs = make_requests(tiny, PROMPTS[:1], SamplingParams(max_new_tokens=5, ignore_eos=True), policy)
     runner = ModelRunner(tiny, policy, num_slots=1)
     with attention_backend(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
@@ -129,7 +128,7 @@ def test_h2o_accumulates_attention_over_steps(tiny):
 
 def test_streaming_llm_keeps_sinks_and_newest(tiny):
     policy = make_policy("streaming_llm", budget=12, sink=4, window=0, interval=4)
-    reqs = _requests(tiny, PROMPTS[1:2], SamplingParams(max_new_tokens=10, ignore_eos=True), policy)
+    reqs = make_requests(tiny, PROMPTS[1:2], SamplingParams(max_new_tokens=10, ignore_eos=True), policy)
     runner = ModelRunner(tiny, policy, num_slots=1)
     with attention_backend(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from skipkv.errors import SkipKVError
 
@@ -41,7 +41,6 @@ class EngineConfig:
     batch_size: int = 8
     prefill_chunk: int = 0  # 0 = whole prompt in one forward; N = prefill N tokens at a time (bounded peak memory)
     group_by_length: bool = True  # SkipKV's batch grouping: batch prompts of similar length together
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:

@@ -23,7 +23,7 @@ import torch
 
 from skipkv.attention import attention_backend
 from skipkv.config import SamplingParams
-from skipkv.engine import _requests
+from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 
 
@@ -45,7 +45,7 @@ class _Lane:
 
     def __init__(self, bundle, policy, prompt: str, total: int, batch_size: int) -> None:
         sp = SamplingParams(max_new_tokens=total, ignore_eos=True)
-        self.reqs = _requests(bundle, [prompt] * batch_size, sp, policy)
+        self.reqs = make_requests(bundle, [prompt] * batch_size, sp, policy)
         self.runner = ModelRunner(bundle, policy, num_slots=batch_size)
         self.run = PolicyRun(policy=type(policy).__name__)
         self.times: list[float] = []

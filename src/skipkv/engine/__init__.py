@@ -24,7 +24,7 @@ from skipkv.engine.scheduler import Scheduler
 from skipkv.errors import SkipKVError
 from skipkv.policies import Policy, make_policy
 
-__all__ = ["EngineConfig", "RequestResult", "SamplingParams", "generate", "encode_prompt", "eos_ids"]
+__all__ = ["EngineConfig", "RequestResult", "SamplingParams", "generate", "encode_prompt", "eos_ids", "make_requests"]
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
@@ -81,7 +81,8 @@ def _result(tokenizer, r: Request) -> RequestResult:
                          finish_reason=r.finish_reason or "length")
 
 
-def _requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
+def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
+    """Validate and tokenize prompts into requests (one SamplingParams for all, or one per prompt)."""
     if isinstance(sampling, SamplingParams):
         sampling = [sampling] * len(prompts)
     if len(sampling) != len(prompts):
@@ -114,7 +115,7 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
     """
     policy = policy or make_policy("full")
     engine = engine or EngineConfig()
-    requests = _requests(bundle, list(prompts), sampling or SamplingParams(), policy)
+    requests = make_requests(bundle, list(prompts), sampling or SamplingParams(), policy)
     if not requests:
         return []
     results: list[RequestResult | None] = [None] * len(requests)
