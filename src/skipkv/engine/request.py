@@ -28,7 +28,7 @@ class RequestResult:
     finish_reason: str  # "eos" | "length" | "stop"
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list
 class Request:
     index: int
     prompt_ids: list[int]
