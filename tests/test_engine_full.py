@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import PROMPTS
@@ -54,10 +55,11 @@ def test_continuous_batching_refills_slots(tiny):
         assert res.generated_tokens == sp.max_new_tokens
 
 
-def test_bf16_runs(tiny):
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_low_precision_runs(dtype):
     from skipkv.models import load_model
 
-    b = load_model("random:qwen2", dtype="bf16")
+    b = load_model("random:qwen2", dtype=dtype)
     res = generate(b, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), make_policy("rkv", budget=12, interval=4))
     assert [r.generated_tokens for r in res] == [6, 6]
     assert all(r.peak_kv_bytes > 0 for r in res)
