@@ -15,6 +15,7 @@ from skipkv.cache import KVStore, SlotCache
 from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
+from skipkv.errors import SkipKVError
 from skipkv.policies.base import Observation, Policy
 
 # Handing HF a ready mask mapping skips its mask construction; the skipkv backend builds its own per layer.
@@ -29,6 +30,10 @@ class ModelRunner:
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.steering = steering
+        if policy.model_wide:
+            # Compression groups rows by one length and scores layer by layer; a model-wide top-k (LaProx)
+            # leaves layers at different lengths, which needs that grouping per layer first.
+            raise SkipKVError(f"policy {type(policy).__name__} selects model-wide, which this engine does not run yet")
         cfg = bundle.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         needs = policy.requirements()
@@ -161,8 +166,12 @@ class ModelRunner:
         for r in finished:
             slot = self.running.index(r)
             last = len(self.running) - 1
-            self.store.move(last, slot) if last != slot else self.store.clear(slot)
-            if self.queries is not None:
-                self.queries.move(last, slot) if last != slot else self.queries.clear(slot)
+            for buf in (self.store, self.queries):
+                if buf is None:
+                    continue
+                if last != slot:
+                    buf.move(last, slot)  # also clears `last`
+                else:
+                    buf.clear(slot)
             self.running[slot] = self.running[last]
             self.running.pop()

@@ -2,7 +2,9 @@
 
 A policy declares what it needs (`needs`), and returns per-token scores [b, H, n] for one layer
 (`score`). The shared `select` keeps the sink and window tokens and the best-scoring rest, `budget` in all.
-Model-wide policies (`model_wide = True`) get every layer's scores before choosing (see LaProx).
+Model-wide policies (`model_wide = True`, for LaProx) are meant to get every layer's scores before choosing;
+the store and masks already allow per-layer lengths, but the runner refuses such a policy until its
+compression step groups rows per layer.
 """
 
 from __future__ import annotations
