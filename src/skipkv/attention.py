@@ -3,7 +3,8 @@
 HF attention layers compute q/k/v and RoPE, write k/v through `SlotCache.update`, then call this function with
 views of the request slots. We build the mask from each slot's own length (padding never costs budget), run
 attention with GQA (no repeated keys are materialised), and let policies observe what they declared:
-recent queries (`QueryBuffer`) and accumulated attention (store aux "attn", for H2O).
+recent queries (`QueryBuffer`) and accumulated attention (store aux "attn", for H2O). A fresh prefill runs
+torch's causal SDPA; every other forward (decode steps, later prefill chunks) runs grouped attention here.
 
     with attention_backend(model): model.model(..., cache=slot_cache, skipkv_ctx=ctx)
 """
@@ -111,19 +112,19 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
-    if not ctx.accumulate:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=H != Hq)
-        return out.transpose(1, 2).contiguous(), None
-    # Explicit probabilities, needed to accumulate them; GQA via a group axis instead of repeat_kv.
+    # Grouped attention: the G query heads of a kv head share one matmul against its keys. torch's SDPA with
+    # `enable_gqa` and a mask falls back on CPU to a path that repeats K/V per query head, which made a decode
+    # step 18x slower at 4K cached tokens (62 vs 3.5 ms per 24 layers, Qwen2.5-0.5B shape, bf16).
     G = Hq // H
-    qg = query.view(B, H, G, T, D)
-    logits = torch.einsum("bhgtd,bhkd->bhgtk", qg, key) * (scaling if scaling is not None else D**-0.5)
-    logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(logits.float(), dim=-1)
-    real_q = (torch.arange(T, device=query.device)[None, :] < ctx.real.to(query.device)[:, None])  # [B, T]
-    received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
-    ctx.store.aux["attn"][layer, ctx.start:ctx.start + B, :, :K] += received
-    out = torch.einsum("bhgtk,bhkd->bhgtd", probs.to(value.dtype), value).reshape(B, Hq, T, D)
+    scale = scaling if scaling is not None else D**-0.5
+    logits = torch.matmul(query.reshape(B, H, G * T, D), key.transpose(-1, -2)) * scale  # [B, H, G*T, K]
+    logits = logits.view(B, H, G, T, K).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)  # fp32 softmax, as transformers' eager attention
+    if ctx.accumulate:
+        real_q = torch.arange(T, device=query.device)[None, :] < ctx.real.to(query.device)[:, None]  # [B, T]
+        received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
+        ctx.store.aux["attn"][layer, ctx.start:ctx.start + B, :, :K] += received
+    out = torch.matmul(probs.to(value.dtype).view(B, H, G * T, K), value).view(B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
 
 
