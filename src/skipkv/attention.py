@@ -114,17 +114,19 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     mask = ctx.mask(layer, T, K, query.device)
     # Grouped attention: the G query heads of a kv head share one matmul against its keys. torch's SDPA with
     # `enable_gqa` and a mask falls back on CPU to a path that repeats K/V per query head, which made a decode
-    # step 18x slower at 4K cached tokens (62 vs 3.5 ms per 24 layers, Qwen2.5-0.5B shape, bf16).
+    # step 10x slower at 4K cached tokens (63 vs 6.3 ms per 24 layers, Qwen2.5-0.5B shape; see
+    # benchmarks/attention_gqa.py). Computed in fp32 like SDPA's math path: in bf16 the grouped GEMM rounds
+    # differently from transformers' per-head one, and greedy outputs drifted apart after ~90 tokens.
     G = Hq // H
     scale = scaling if scaling is not None else D**-0.5
-    logits = torch.matmul(query.reshape(B, H, G * T, D), key.transpose(-1, -2)) * scale  # [B, H, G*T, K]
+    logits = torch.matmul(query.reshape(B, H, G * T, D).float(), key.float().transpose(-1, -2)) * scale  # [B, H, G*T, K]
     logits = logits.view(B, H, G, T, K).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(logits.float(), dim=-1)  # fp32 softmax, as transformers' eager attention
+    probs = torch.softmax(logits, dim=-1)
     if ctx.accumulate:
         real_q = torch.arange(T, device=query.device)[None, :] < ctx.real.to(query.device)[:, None]  # [B, T]
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
         ctx.store.aux["attn"][layer, ctx.start:ctx.start + B, :, :K] += received
-    out = torch.matmul(probs.to(value.dtype).view(B, H, G * T, K), value).view(B, Hq, T, D)
+    out = torch.matmul(probs.view(B, H, G * T, K), value.float()).view(B, Hq, T, D).to(value.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
