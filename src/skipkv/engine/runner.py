@@ -59,12 +59,14 @@ class ModelRunner:
     def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden_last).float()
 
-    def _note_memory(self, start: int, requests: list[Request], decoding: bool) -> None:
+    def _note_memory(self, start: int, requests: list[Request], decoding: bool) -> list[int]:
+        """Update each request's peaks; returns the entries each now holds per kv head (largest layer)."""
         lengths = self.store.lengths[:, start:start + len(requests)]
         tokens = lengths.amax(dim=0).tolist()
         nbytes = (lengths.sum(dim=0) * self.store.bytes_per_entry).tolist()
         for r, t, b in zip(requests, tokens, nbytes):
             r.note_memory(t, b, decoding)
+        return tokens
 
     def target_capacity(self, extra: list[Request] = ()) -> int:
         reqs = list(self.running) + list(extra)
@@ -95,14 +97,13 @@ class ModelRunner:
             # Each chunk is staged whole before compression brings the request back to its budget.
             self.store.ensure_capacity(int(self.store.lengths[:, start:start + k].max()) + c1 - c0)
             hidden = self._forward(start, ids[:, c0:c1], positions, real)
-            self._note_memory(start, new, decoding=False)
+            held = self._note_memory(start, new, decoding=False)
             for i, r in enumerate(new):
                 if c0 <= r.prompt_len - 1 < c1:
                     last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
                 if self.need_hidden and real[i] > 0:
                     self.policy.observe(r.state, ids[i, c0:c0 + int(real[i])], hidden[i, : int(real[i])])
-            rows = [start + i for i, r in enumerate(new) if self.policy.should_compress(int(self.store.lengths[:, start + i].max()), True)]
-            self.compress(rows, is_prefill=True)
+            self.compress([start + i for i, n in enumerate(held) if self.policy.should_compress(n, True)], is_prefill=True)
         self.store.resize(max(self.target_capacity(), int(self.store.lengths.max())))
         return sample(self._logits(torch.stack(last_hidden)), new)
 
@@ -115,13 +116,12 @@ class ModelRunner:
         if self.steering is not None:
             self.steering.prepare(ids[:, 0], [r.state for r in self.running])
         hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
-        self._note_memory(0, self.running, decoding=True)
+        held = self._note_memory(0, self.running, decoding=True)
         if self.need_hidden:
             for i, r in enumerate(self.running):
                 self.policy.observe(r.state, ids[i], hidden[i])
         tokens = sample(self._logits(hidden[:, -1]), self.running)
-        lengths = self.store.lengths[:, :B].amax(dim=0).tolist()
-        self.compress([i for i, n in enumerate(lengths) if self.policy.should_compress(n, False)], is_prefill=False)
+        self.compress([i for i, n in enumerate(held) if self.policy.should_compress(n, False)], is_prefill=False)
         return tokens
 
     @property
