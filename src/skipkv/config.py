@@ -2,32 +2,75 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import MISSING, dataclass, field, fields
 
 from skipkv.errors import SkipKVError
+
+
+def knob(default, help: str = "", *, ge=None, gt=None, le=None, lt=None, choices=None, odd: bool = False):
+    """A config field whose constraints live beside its default; `check_fields` enforces them when the
+    config is built, so a bad value fails before any model loads or any file is written."""
+    meta = {"help": help}
+    for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("choices", choices)):
+        if v is not None:
+            meta[k] = tuple(v) if k == "choices" else v
+    if odd:
+        meta["odd"] = True
+    return field(default=default, metadata=meta)
+
+
+def check_fields(obj, what: str) -> None:
+    """Validate every field of dataclass `obj` against its default's type and its `knob` constraints.
+
+    Types follow the default: bool stays bool, int takes no float or bool, float takes int or float and must
+    be finite; str fields with `choices` must be one of them. Raises SkipKVError naming `what` and the field.
+    """
+    for f in fields(obj):
+        if f.default is MISSING:
+            continue
+        v, d, m, name = getattr(obj, f.name), f.default, f.metadata, f.name
+        if isinstance(d, bool):
+            if not isinstance(v, bool):
+                raise SkipKVError(f"{what} {name} must be true or false, got {v!r}")
+            continue
+        if isinstance(d, int):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SkipKVError(f"{what} {name} must be an integer, got {v!r}")
+        elif isinstance(d, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SkipKVError(f"{what} {name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise SkipKVError(f"{what} {name} must be finite, got {v!r}")
+        elif isinstance(d, str):
+            if not isinstance(v, str):
+                raise SkipKVError(f"{what} {name} must be a string, got {v!r}")
+        if "choices" in m and v not in m["choices"]:
+            raise SkipKVError(f"{what} {name} must be one of {', '.join(map(str, m['choices']))}; got {v!r}")
+        for key, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+            if key in m and not ok(v, m[key]):
+                raise SkipKVError(f"{what} {name} must be {word} {m[key]}, got {v!r}")
+        if m.get("odd") and v % 2 == 0:
+            raise SkipKVError(f"{what} {name} must be odd, got {v!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. temperature == 0 means greedy."""
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int = 0
+    max_new_tokens: int = knob(256, "tokens to generate at most", gt=0)
+    temperature: float = knob(0.0, "0 = greedy", ge=0.0)
+    top_p: float = knob(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    top_k: int = knob(0, "0 = off", ge=0)
+    seed: int = knob(0, "sampling seed", ge=0)
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise SkipKVError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise SkipKVError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SkipKVError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SkipKVError(f"top_k must be >= 0, got {self.top_k}")
+        check_fields(self, "sampling")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SkipKVError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -38,12 +81,10 @@ class SamplingParams:
 class EngineConfig:
     """Engine knobs that are not per request."""
 
-    batch_size: int = 8
-    prefill_chunk: int = 0  # 0 = whole prompt in one forward; N = prefill N tokens at a time (bounded peak memory)
+    batch_size: int = knob(8, "requests decoded together at most", gt=0)
+    # 0 = whole prompt in one forward; N = prefill N tokens at a time (bounded peak memory)
+    prefill_chunk: int = knob(0, "prefill long prompts this many tokens at a time (0 = whole)", ge=0)
     group_by_length: bool = True  # SkipKV's batch grouping: batch prompts of similar length together
 
     def __post_init__(self) -> None:
-        if self.batch_size <= 0:
-            raise SkipKVError(f"batch_size must be positive, got {self.batch_size}")
-        if self.prefill_chunk < 0:
-            raise SkipKVError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        check_fields(self, "engine")

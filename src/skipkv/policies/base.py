@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from skipkv.config import check_fields, knob
 from skipkv.errors import SkipKVError
 from skipkv.scoring import protect_and_select
 
@@ -41,11 +42,11 @@ class Policy:
     sink: oldest tokens always kept; interval: decode steps the cache may grow past the budget before the
     next compression (capacity = budget + interval); phase: when compression runs (prefill, decode, both)."""
 
-    budget: int = 128
-    window: int = 8
-    sink: int = 0
-    interval: int = 128
-    phase: str = "both"
+    budget: int = knob(128, "tokens kept per request per kv head", gt=0)
+    window: int = knob(8, "newest tokens always kept (and observation queries)", ge=1)
+    sink: int = knob(0, "oldest tokens always kept", ge=0)
+    interval: int = knob(128, "decode steps the cache may grow past the budget", gt=0)
+    phase: str = knob("both", "when compression runs", choices=PHASES)
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
@@ -53,18 +54,13 @@ class Policy:
     model_wide: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        # Every knob is checked here, once, against the constraints declared beside its default (`knob`);
+        # subclasses add only cross-field rules.
+        check_fields(self, f"{self.name or type(self).__name__} policy knob")
         if not self.compresses:
             return
-        if self.budget <= 0:
-            raise SkipKVError(f"budget must be positive, got {self.budget}")
-        if self.window < 0 or self.sink < 0:
-            raise SkipKVError("window and sink must be >= 0")
         if self.budget <= self.window + self.sink:
             raise SkipKVError(f"budget ({self.budget}) must exceed window + sink ({self.window} + {self.sink})")
-        if self.interval <= 0:
-            raise SkipKVError(f"interval must be positive, got {self.interval}")
-        if self.phase not in PHASES:
-            raise SkipKVError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
 
     def requirements(self) -> frozenset[str]:
         """What the engine must capture for this instance: subset of {"queries", "attn", "hidden"}."""

@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
+from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import window_logits
 
@@ -26,14 +26,10 @@ from skipkv.scoring import window_logits
 @POLICIES.register("h2o")
 @dataclass(frozen=True)
 class H2O(Policy):
-    variant: str = "accumulated"  # or "last_query"
+    variant: str = knob("accumulated", "accumulated attention (paper) or the repos' last-query variant",
+                        choices=("accumulated", "last_query"))
 
     needs: ClassVar[frozenset[str]] = frozenset({"attn", "queries"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.variant not in ("accumulated", "last_query"):
-            raise SkipKVError(f"h2o variant must be 'accumulated' or 'last_query', got {self.variant!r}")
 
     @property
     def query_window(self) -> int:

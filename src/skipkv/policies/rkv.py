@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from skipkv.policies import POLICIES
+from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import key_redundancy, window_importance
 
@@ -27,9 +28,9 @@ from skipkv.scoring import key_redundancy, window_importance
 @POLICIES.register("rkv")
 @dataclass(frozen=True)
 class RKV(Policy):
-    mix_lambda: float = 0.1
-    threshold: float = 0.5
-    kernel: int = 7
+    mix_lambda: float = knob(0.1, "λ: weight of importance against redundancy", ge=0.0, le=1.0)
+    threshold: float = knob(0.5, "key cosine above which a token's newest near-duplicate is spared", ge=-1.0, le=1.0)
+    kernel: int = knob(7, "max-pool width over importance (odd)", gt=0, odd=True)
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
 

@@ -20,6 +20,7 @@ import torch
 
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
+from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import window_importance
 
@@ -27,10 +28,10 @@ from skipkv.scoring import window_importance
 @POLICIES.register("snapkv")
 @dataclass(frozen=True)
 class SnapKV(Policy):
-    prefill_window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
-    group_reduce: str = "max"
+    prefill_window: int = knob(32, "prompt queries that score the prompt at prefill (kept whole)", gt=0)
+    kernel: int = knob(7, "pooling width over importance (odd)", gt=0, odd=True)
+    pooling: str = knob("max", "1-D pooling over importance", choices=("max", "avg"))
+    group_reduce: str = knob("max", "reduce GQA logits over each query group", choices=("max", "mean"))
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
 

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from skipkv.policies import POLICIES
+from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
 
 
 @POLICIES.register("streaming_llm")
 @dataclass(frozen=True)
 class StreamingLLM(Policy):
-    sink: int = 4
-    window: int = 0  # every non-sink slot already goes to the newest tokens
+    sink: int = knob(4, "oldest tokens always kept (attention sinks)", ge=0)
+    # Every non-sink slot already goes to the newest tokens.
+    window: int = knob(0, "unused: every non-sink slot holds the newest tokens", ge=0)
 
     def score(self, obs: Observation) -> torch.Tensor:
         # Newer is better: the shared selection then keeps the sinks and the newest budget - sink tokens.
