@@ -3,6 +3,11 @@
     load_model("random:qwen2")          # tiny Qwen2 (2 layers, hidden 64): unit tests
     load_model("random:qwen2:0.5b")     # Qwen2.5-0.5B shape (24 layers, 14 q / 2 kv heads): benchmarks
     load_model("random:llama:tiny")
+    load_model("random:qwen2:sharp")    # tiny, with q/k scaled so attention is peaked: policy tests
+
+A tiny random model attends almost uniformly, so a policy test on it passes whatever the scores say; the
+`sharp` size scales every layer's q and k projections (weights and biases) by `SHARP_SCALE`, which makes each
+query's softmax concentrate on a few keys, so what a policy keeps changes what the model generates.
 
 The tokenizer is a byte-level one built in process (256 byte tokens + ChatML specials), so any text
 round-trips and nothing is fetched from a hub.
@@ -23,12 +28,14 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+SHARP_SCALE = 16.0  # q and k each x16: on the tiny shape a query puts ~all its mass on ~10 keys (entropy ~1 nat)
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
 # name -> (config class, {size: overrides}); realistic shapes follow the published configs.
 FAMILIES: dict[str, tuple[type, dict[str, dict]]] = {
     "qwen2": (Qwen2Config, {
         "tiny": _TINY,
+        "sharp": _TINY,
         "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768),
         "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -40,6 +47,7 @@ FAMILIES: dict[str, tuple[type, dict[str, dict]]] = {
     }),
     "llama": (LlamaConfig, {
         "tiny": _TINY,
+        "sharp": _TINY,
         "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=32768, tie_word_embeddings=True),
         "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -91,4 +99,11 @@ def build_random(spec: str, dtype: torch.dtype, seed: int = 0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if size == "sharp":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    proj.weight.mul_(SHARP_SCALE)
+                    if proj.bias is not None:
+                        proj.bias.mul_(SHARP_SCALE)
     return model, tokenizer, family
