@@ -12,7 +12,7 @@ L, S, H, D = 2, 3, 2, 4
 
 def entries(store: KVStore, layer: int, slot: int, head: int) -> list[tuple[int, list[float]]]:
     n = int(store.lengths[layer, slot])
-    return [(int(store.pos[layer, slot, head, j]), store.k[layer][slot, head, j].tolist()) for j in range(n)]
+    return [(int(store.pos[layer][slot, head, j]), store.k[layer][slot, head, j].tolist()) for j in range(n)]
 
 
 def test_append_compact_move_against_lists():

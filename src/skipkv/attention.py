@@ -63,6 +63,14 @@ class QueryBuffer:
         q = self.q[layer, slots]  # [b, Hq, W, D]
         return torch.gather(q, 2, order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
 
+    def slot_bytes(self) -> int:
+        """Bytes one slot's buffered queries occupy (all layers), positions included."""
+        L, _, Hq, W, D = self.q.shape
+        return L * Hq * W * D * self.q.element_size() + W * self.qpos.element_size()
+
+    def allocated_bytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.qpos.numel() * self.qpos.element_size()
+
     def move(self, src: int, dst: int) -> None:
         self.q[:, dst] = self.q[:, src]
         self.qpos[dst] = self.qpos[src]
@@ -125,7 +133,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if ctx.accumulate:
         real_q = torch.arange(T, device=query.device)[None, :] < ctx.real.to(query.device)[:, None]  # [B, T]
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
-        ctx.store.aux["attn"][layer, ctx.start:ctx.start + B, :, :K] += received
+        ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
     out = torch.matmul(probs.view(B, H, G * T, K), value.float()).view(B, Hq, T, D).to(value.dtype)
     return out.transpose(1, 2).contiguous(), None
 

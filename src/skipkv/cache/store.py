@@ -1,19 +1,24 @@
 """The slot KV store: preallocated per-layer tensors, in-place appends, compaction by keep indices.
 
-Layout (one tensor per layer, never after `repeat_kv`):
-    k[l], v[l]   [S, H, C, D]   S slots, H kv heads, C capacity, D head dim
-    pos          [L, S, H, C]   int32 original (true) token position of every entry
-    aux[name]    [L, S, H, C]   float32 per-entry accumulators that move with their entry (e.g. H2O's attention sum)
-    lengths      [L, S]         int64 valid entries per slot and layer (the same for every head)
+Layout (one set of tensors per layer l, never after `repeat_kv`; each layer has its own capacity C_l, so a
+policy that leaves layers at different lengths (LaProx, PyramidKV) really allocates less for short layers):
+    k[l], v[l]       [S, H, C_l, D]   S slots, H kv heads, C_l capacity of layer l, D head dim
+    pos[l]           [S, H, C_l]      int32 original (true) token position of every entry
+    aux[name][l]     [S, H, C_l]      float32 per-entry accumulators that move with their entry (H2O's attention sum)
+    lengths          [L, S]           int64 valid entries per slot and layer (the same for every head)
 
 Running requests always occupy slots [0, n) so that a forward over them reads plain views, never copies;
-`move` fills a hole left by a finished request. Bytes are counted from what is allocated (`allocated_bytes`)
-and from what each request holds (`held_bytes`).
+`move` fills a hole left by a finished request. Bytes are counted from what is allocated and from what each
+request holds: `allocated_bytes`/`held_bytes`/`bytes_per_entry` count K/V only (what papers report);
+`allocated_total_bytes`/`held_total_bytes`/`total_bytes_per_entry` add the int32 positions and the aux
+accumulators that travel with every entry.
 
     python -c "from skipkv.cache import KVStore; import torch; s = KVStore(2, 4, 2, 16, 32, torch.float32); print(s.allocated_bytes())"
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -24,63 +29,96 @@ class KVStore:
         self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim = num_layers, num_slots, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.aux_names = tuple(aux)
-        self.capacity = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.pos = torch.empty(0)
-        self.aux: dict[str, torch.Tensor] = {}
+        self.capacities = [0] * num_layers
+        self.k: list[torch.Tensor] = [self._buf(0) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [self._buf(0) for _ in range(num_layers)]
+        self.pos: list[torch.Tensor] = [self._side(0, torch.int32, -1) for _ in range(num_layers)]
+        self.aux: dict[str, list[torch.Tensor]] = {n: [self._side(0, torch.float32, 0) for _ in range(num_layers)]
+                                                   for n in self.aux_names}
         # Lengths live on the host: the engine reads them for control flow every step, so a device copy would sync.
         self.lengths = torch.zeros(num_layers, num_slots, dtype=torch.long)
-        self.peak_allocated = 0
-        self._allocate(capacity)
+        self.peak_allocated = 0  # K/V bytes
+        self.peak_allocated_total = 0  # K/V + positions + accumulators
+        self._allocate([capacity] * num_layers)
 
     # ----------------------------------------------------------------------------------------- memory
-    def _allocate(self, capacity: int) -> None:
-        """(Re)allocate every buffer with `capacity` entries per slot, keeping the valid prefix of each slot."""
-        keep = min(self.capacity, capacity)
-        shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        aux_shape = (self.num_layers, self.num_slots, self.num_kv_heads, capacity)
-        new_pos = torch.full(aux_shape, -1, dtype=torch.int32, device=self.device)
-        new_aux = {n: torch.zeros(aux_shape, dtype=torch.float32, device=self.device) for n in self.aux_names}
-        if keep:
-            for l in range(self.num_layers):
-                new_k[l][:, :, :keep] = self.k[l][:, :, :keep]
-                new_v[l][:, :, :keep] = self.v[l][:, :, :keep]
-            new_pos[..., :keep] = self.pos[..., :keep]
+    def _buf(self, capacity: int) -> torch.Tensor:
+        return torch.zeros(self.num_slots, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _side(self, capacity: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
+        return torch.full((self.num_slots, self.num_kv_heads, capacity), fill, dtype=dtype, device=self.device)
+
+    def _allocate(self, capacities: list[int]) -> None:
+        """(Re)allocate the layers whose capacity changes, keeping the valid prefix of each slot."""
+        for l, cap in enumerate(capacities):
+            if cap == self.capacities[l]:
+                continue
+            keep = min(self.capacities[l], cap)
+            k, v, pos = self._buf(cap), self._buf(cap), self._side(cap, torch.int32, -1)
+            k[:, :, :keep] = self.k[l][:, :, :keep]
+            v[:, :, :keep] = self.v[l][:, :, :keep]
+            pos[..., :keep] = self.pos[l][..., :keep]
+            self.k[l], self.v[l], self.pos[l] = k, v, pos
             for n in self.aux_names:
-                new_aux[n][..., :keep] = self.aux[n][..., :keep]
-        # Drop the old buffers before counting, so the peak reflects the transient of holding both.
-        self.k, self.v, self.pos, self.aux = new_k, new_v, new_pos, new_aux
-        self.capacity = capacity
+                a = self._side(cap, torch.float32, 0)
+                a[..., :keep] = self.aux[n][l][..., :keep]
+                self.aux[n][l] = a
+            self.capacities[l] = cap
         self.peak_allocated = max(self.peak_allocated, self.allocated_bytes())
+        self.peak_allocated_total = max(self.peak_allocated_total, self.allocated_total_bytes())
 
-    def ensure_capacity(self, capacity: int) -> None:
-        """Grow (never shrink) to hold exactly `capacity` entries per slot. Growth happens only when requests
-        are admitted or a prompt chunk is staged, never per decode step, so exact sizes cost few copies."""
-        if capacity > self.capacity:
-            self._allocate(capacity)
+    def _per_layer(self, capacity: int | Sequence[int]) -> list[int]:
+        caps = [int(capacity)] * self.num_layers if isinstance(capacity, int) else [int(c) for c in capacity]
+        if len(caps) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} per-layer capacities, got {len(caps)}")
+        return caps
 
-    def resize(self, capacity: int) -> None:
-        """Set the capacity exactly (e.g. shrink back to budget + interval after a long prompt was compressed)."""
-        if int(self.lengths.max()) > capacity:
-            raise ValueError(f"cannot resize to {capacity}: a slot holds {int(self.lengths.max())} entries")
-        if capacity != self.capacity:
-            self._allocate(capacity)
+    @property
+    def capacity(self) -> int:
+        """The largest layer capacity (every layer's when they are equal)."""
+        return max(self.capacities)
+
+    def ensure_capacity(self, capacity: int | Sequence[int]) -> None:
+        """Grow (never shrink) to hold `capacity` entries per slot: one int for every layer, or one per layer.
+        Growth happens only when requests are admitted or a prompt chunk is staged, never per decode step,
+        so exact sizes cost few copies."""
+        want = self._per_layer(capacity)
+        self._allocate([max(w, c) for w, c in zip(want, self.capacities)])
+
+    def resize(self, capacity: int | Sequence[int]) -> None:
+        """Set the capacity exactly, one int for every layer or one per layer (e.g. shrink each layer back to
+        what its slots keep + their decode growth after a long prompt was compressed)."""
+        want = self._per_layer(capacity)
+        for l, w in enumerate(want):
+            if int(self.lengths[l].max()) > w:
+                raise ValueError(f"cannot resize layer {l} to {w}: a slot holds {int(self.lengths[l].max())} entries")
+        self._allocate(want)
 
     @property
     def bytes_per_entry(self) -> int:
-        """Bytes of one cached token in one layer: keys + values over all kv heads."""
+        """K/V bytes of one cached token in one layer, over all kv heads."""
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def total_bytes_per_entry(self) -> int:
+        """All bytes of one cached token in one layer: K/V + its int32 positions + its float32 accumulators."""
+        return self.bytes_per_entry + self.num_kv_heads * 4 * (1 + len(self.aux_names))
 
     def allocated_bytes(self) -> int:
         """Bytes of the K/V buffers as allocated (all slots, all layers)."""
-        return self.num_layers * self.num_slots * self.capacity * self.bytes_per_entry
+        return self.num_slots * sum(self.capacities) * self.bytes_per_entry
+
+    def allocated_total_bytes(self) -> int:
+        """Bytes of every per-entry buffer as allocated: K/V, positions and accumulators."""
+        return self.num_slots * sum(self.capacities) * self.total_bytes_per_entry
 
     def held_bytes(self, slot: int) -> int:
         """Bytes of K/V that `slot` holds right now, summed over layers."""
         return int(self.lengths[:, slot].sum()) * self.bytes_per_entry
+
+    def held_total_bytes(self, slot: int) -> int:
+        """K/V + position + accumulator bytes that `slot` holds right now, summed over layers."""
+        return int(self.lengths[:, slot].sum()) * self.total_bytes_per_entry
 
     # ----------------------------------------------------------------------------------------- writes
     def append(self, layer: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -94,23 +132,23 @@ class KVStore:
         B, _, T, _ = k_new.shape
         base = self.lengths[layer, start:start + B]
         top = int(base.max()) + T
-        if top > self.capacity:
-            raise RuntimeError(f"KV slot overflow: need {top} entries, capacity {self.capacity}")
+        if top > self.capacities[layer]:
+            raise RuntimeError(f"KV slot overflow: need {top} entries in layer {layer}, capacity {self.capacities[layer]}")
         rows = torch.arange(start, start + B, device=self.device)
         if T == 1:
             idx = base.to(self.device)
             self.k[layer][rows, :, idx] = k_new[:, :, 0]
             self.v[layer][rows, :, idx] = v_new[:, :, 0]
-            self.pos[layer, rows, :, idx] = positions[:, :1].to(torch.int32).expand(B, self.num_kv_heads)
+            self.pos[layer][rows, :, idx] = positions[:, :1].to(torch.int32).expand(B, self.num_kv_heads)
             for n in self.aux_names:  # a reused entry must not inherit the previous occupant's accumulator
-                self.aux[n][layer, rows, :, idx] = 0.0
+                self.aux[n][layer][rows, :, idx] = 0.0
         else:
             idx = base.to(self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
             self.k[layer][rows[:, None], :, idx] = k_new.transpose(1, 2)
             self.v[layer][rows[:, None], :, idx] = v_new.transpose(1, 2)
-            self.pos[layer, rows[:, None], :, idx] = positions.to(torch.int32)[:, :, None].expand(B, T, self.num_kv_heads)
+            self.pos[layer][rows[:, None], :, idx] = positions.to(torch.int32)[:, :, None].expand(B, T, self.num_kv_heads)
             for n in self.aux_names:
-                self.aux[n][layer, rows[:, None], :, idx] = 0.0
+                self.aux[n][layer][rows[:, None], :, idx] = 0.0
         return self.k[layer][start:start + B, :, :top], self.v[layer][start:start + B, :, :top]
 
     def advance(self, start: int, counts: torch.Tensor, layers: range | None = None) -> None:
@@ -126,26 +164,27 @@ class KVStore:
         idx = keep[..., None].expand(b, H, K, self.head_dim)
         for buf in (self.k[layer], self.v[layer]):
             buf[slots, :, :K] = torch.gather(buf[slots], 2, idx)
-        self.pos[layer, slots, :, :K] = torch.gather(self.pos[layer, slots], 2, keep)
+        self.pos[layer][slots, :, :K] = torch.gather(self.pos[layer][slots], 2, keep)
         for n in self.aux_names:
-            self.aux[n][layer, slots, :, :K] = torch.gather(self.aux[n][layer, slots], 2, keep)
+            self.aux[n][layer][slots, :, :K] = torch.gather(self.aux[n][layer][slots], 2, keep)
         self.lengths[layer, slots.cpu()] = K
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` over slot `dst` (used to keep running requests in slots [0, n))."""
         if src == dst:
             return
-        n = int(self.lengths[:, src].max())
         for l in range(self.num_layers):
+            n = int(self.lengths[l, src])
             self.k[l][dst, :, :n] = self.k[l][src, :, :n]
             self.v[l][dst, :, :n] = self.v[l][src, :, :n]
-        self.pos[:, dst, :, :n] = self.pos[:, src, :, :n]
-        for name in self.aux_names:
-            self.aux[name][:, dst, :, :n] = self.aux[name][:, src, :, :n]
+            self.pos[l][dst, :, :n] = self.pos[l][src, :, :n]
+            for name in self.aux_names:
+                self.aux[name][l][dst, :, :n] = self.aux[name][l][src, :, :n]
         self.lengths[:, dst] = self.lengths[:, src]
         self.clear(src)
 
     def clear(self, slot: int) -> None:
         self.lengths[:, slot] = 0
         for name in self.aux_names:
-            self.aux[name][:, slot].zero_()
+            for a in self.aux[name]:
+                a[slot].zero_()

@@ -78,7 +78,8 @@ def _result(tokenizer, r: Request) -> RequestResult:
                          peak_kv_bytes=r.peak_kv_bytes, decode_peak_kv_tokens=r.decode_peak_kv_tokens,
                          decode_peak_kv_bytes=r.decode_peak_kv_bytes, compressions=r.compressions,
                          compress_seconds=r.compress_seconds, seconds=time.perf_counter() - r.started,
-                         finish_reason=r.finish_reason or "length")
+                         finish_reason=r.finish_reason or "length", peak_total_bytes=r.peak_total_bytes,
+                         layer_kv_tokens=list(r.layer_kv_tokens), allocated_kv_bytes=r.allocated_kv_bytes)
 
 
 def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:

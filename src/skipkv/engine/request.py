@@ -26,6 +26,14 @@ class RequestResult:
     compress_seconds: float
     seconds: float  # from admission to finish
     finish_reason: str  # "eos" | "length" | "stop"
+    # Memory beyond the K/V peaks above: the most bytes held counting each entry's int32 positions and float32
+    # accumulators and the request's query buffer; the entries each layer holds at the end (they differ per
+    # layer under model-wide or per-layer budgets); the store's allocated K/V bytes right after the prefill
+    # that admitted this request was compressed and the store resized to each layer's need (shared with the
+    # requests admitted together; equal to this request's own when it ran alone).
+    peak_total_bytes: int = 0
+    layer_kv_tokens: list[int] = field(default_factory=list)
+    allocated_kv_bytes: int = 0
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list
@@ -45,6 +53,9 @@ class Request:
     started: float = 0.0
     generator: torch.Generator | None = None
     state: object | None = None  # the policy's per-request state
+    peak_total_bytes: int = 0
+    layer_kv_tokens: list[int] = field(default_factory=list)
+    allocated_kv_bytes: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -55,7 +66,8 @@ class Request:
         """True position of the newest generated token (the one the next decode step feeds)."""
         return self.prompt_len + len(self.output_ids) - 1
 
-    def note_memory(self, tokens: int, nbytes: int, decoding: bool) -> None:
+    def note_memory(self, tokens: int, nbytes: int, decoding: bool, total_bytes: int = 0) -> None:
+        self.peak_total_bytes = max(self.peak_total_bytes, total_bytes)
         self.peak_kv_tokens = max(self.peak_kv_tokens, tokens)
         self.peak_kv_bytes = max(self.peak_kv_bytes, nbytes)
         if decoding:

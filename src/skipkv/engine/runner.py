@@ -15,7 +15,6 @@ from skipkv.cache import KVStore, SlotCache
 from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
-from skipkv.errors import SkipKVError
 from skipkv.policies.base import Observation, Policy
 
 # Handing HF a ready mask mapping skips its mask construction; the skipkv backend builds its own per layer.
@@ -30,10 +29,6 @@ class ModelRunner:
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.steering = steering
-        if policy.model_wide:
-            # Compression groups rows by one length and scores layer by layer; a model-wide top-k (LaProx)
-            # leaves layers at different lengths, which needs that grouping per layer first.
-            raise SkipKVError(f"policy {type(policy).__name__} selects model-wide, which this engine does not run yet")
         cfg = bundle.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         needs = policy.requirements()
@@ -60,12 +55,16 @@ class ModelRunner:
         return self.model.lm_head(hidden_last).float()
 
     def _note_memory(self, start: int, requests: list[Request], decoding: bool) -> list[int]:
-        """Update each request's peaks; returns the entries each now holds per kv head (largest layer)."""
+        """Update each request's peaks; returns the entries each now holds per kv head (largest layer).
+        Total bytes add the entries' positions and accumulators and the request's share of the query buffer."""
         lengths = self.store.lengths[:, start:start + len(requests)]
         tokens = lengths.amax(dim=0).tolist()
-        nbytes = (lengths.sum(dim=0) * self.store.bytes_per_entry).tolist()
-        for r, t, b in zip(requests, tokens, nbytes):
-            r.note_memory(t, b, decoding)
+        entries = lengths.sum(dim=0)
+        nbytes = (entries * self.store.bytes_per_entry).tolist()
+        qbytes = self.queries.slot_bytes() if self.queries is not None else 0
+        total = (entries * self.store.total_bytes_per_entry + qbytes).tolist()
+        for r, t, b, tb in zip(requests, tokens, nbytes, total):
+            r.note_memory(t, b, decoding, tb)
         return tokens
 
     def target_capacity(self, extra: list[Request] = ()) -> int:
@@ -94,8 +93,9 @@ class ModelRunner:
             c1 = min(c0 + chunk, T)
             real = (lens - c0).clamp(0, c1 - c0)
             positions = torch.arange(c0, c1, device=device).expand(k, -1)
-            # Each chunk is staged whole before compression brings the request back to its budget.
-            self.store.ensure_capacity(int(self.store.lengths[:, start:start + k].max()) + c1 - c0)
+            # Each chunk is staged whole before compression brings the request back to its budget; layers
+            # that a model-wide policy left shorter grow only by the chunk.
+            self.store.ensure_capacity((self.store.lengths[:, start:start + k].amax(dim=1) + c1 - c0).tolist())
             hidden = self._forward(start, ids[:, c0:c1], positions, real)
             held = self._note_memory(start, new, decoding=False)
             for i, r in enumerate(new):
@@ -104,7 +104,9 @@ class ModelRunner:
                 if self.need_hidden and real[i] > 0:
                     self.policy.observe(r.state, ids[i, c0:c0 + int(real[i])], hidden[i, : int(real[i])])
             self.compress([start + i for i, n in enumerate(held) if self.policy.should_compress(n, True)], is_prefill=True)
-        self.store.resize(max(self.target_capacity(), int(self.store.lengths.max())))
+        self.store.resize(self.layer_capacities())
+        for r in new:
+            r.allocated_kv_bytes = self.store.allocated_bytes()
         return sample(self._logits(torch.stack(last_hidden)), new)
 
     def decode(self) -> list[int]:
@@ -124,6 +126,19 @@ class ModelRunner:
         self.compress([i for i, n in enumerate(held) if self.policy.should_compress(n, False)], is_prefill=False)
         return tokens
 
+    def layer_capacities(self) -> list[int]:
+        """Entries each layer must hold for the running requests: what each slot holds now plus the growth
+        it may still need (bounded by the policy's per-layer capacity), so allocation follows what is kept."""
+        L = self.store.num_layers
+        caps = [0] * L
+        for s, r in enumerate(self.running):
+            remaining = r.sampling.max_new_tokens - len(r.output_ids)
+            for l in range(L):
+                n = int(self.store.lengths[l, s])
+                bound = self.policy.layer_capacity(l, L, r.prompt_len, r.sampling.max_new_tokens)
+                caps[l] = max(caps[l], n, min(bound, n + remaining))
+        return caps
+
     @property
     def pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -131,33 +146,50 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ compression
     def compress(self, rows: list[int], is_prefill: bool) -> None:
-        """Bring each slot in `rows` down to the budget. Rows of equal length are scored together."""
+        """Bring each slot in `rows` down to the budget. Per layer, rows of equal length are scored together;
+        a model-wide policy sees every layer of one row at once (rows split the budget differently)."""
         if not rows:
             return
         t0 = time.perf_counter()
-        by_len: dict[int, list[int]] = {}
-        for s in rows:
-            by_len.setdefault(int(self.store.lengths[0, s]), []).append(s)
-        for n, group in by_len.items():
-            slots = torch.tensor(group, device=self.store.device)
-            states = [self.running[s].state for s in group]
-            keeps = [self.policy.select(self._observe(l, slots, n, is_prefill, states))
-                     for l in range(self.store.num_layers)]
-            for l, keep in enumerate(keeps):
-                self.store.compact(l, slots, keep)
+        if self.policy.model_wide:
+            done = [s for s in rows if self._compress_model_wide(s, is_prefill)]
+        else:
+            done = rows
+            for l in range(self.store.num_layers):
+                by_len: dict[int, list[int]] = {}
+                for s in rows:
+                    by_len.setdefault(int(self.store.lengths[l, s]), []).append(s)
+                for n, group in by_len.items():
+                    slots = torch.tensor(group, device=self.store.device)
+                    states = [self.running[s].state for s in group]
+                    self.store.compact(l, slots, self.policy.select(self._observe(l, slots, n, is_prefill, states)))
         share = (time.perf_counter() - t0) / len(rows)
         for s in rows:
-            self.running[s].compressions += 1
             self.running[s].compress_seconds += share
+        for s in done:
+            self.running[s].compressions += 1
+
+    def _compress_model_wide(self, s: int, is_prefill: bool) -> bool:
+        """One row through `policy.select_model_wide`; False when it kept everything (nothing evicted)."""
+        slots = torch.tensor([s], device=self.store.device)
+        states = [self.running[s].state]
+        obs = [self._observe(l, slots, int(self.store.lengths[l, s]), is_prefill, states)
+               for l in range(self.store.num_layers)]
+        keeps = self.policy.select_model_wide(obs)
+        if keeps is None:
+            return False
+        for l, keep in enumerate(keeps):
+            self.store.compact(l, slots, keep)
+        return True
 
     def _observe(self, layer: int, slots: torch.Tensor, n: int, is_prefill: bool, states: list) -> Observation:
         queries = None
         if self.queries is not None:
             seen = int((self.queries.qpos[slots] >= 0).sum(dim=-1).min())
             queries = self.queries.recent(layer, slots, min(self.policy.query_window, seen))
-        attn = self.store.aux["attn"][layer, slots, :, :n] if "attn" in self.store.aux else None
+        attn = self.store.aux["attn"][layer][slots, :, :n] if "attn" in self.store.aux else None
         return Observation(layer=layer, keys=self.store.k[layer][slots, :, :n], values=self.store.v[layer][slots, :, :n],
-                           positions=self.store.pos[layer, slots, :, :n], queries=queries, attn=attn,
+                           positions=self.store.pos[layer][slots, :, :n], queries=queries, attn=attn,
                            module=self.layers[layer].self_attn, is_prefill=is_prefill, states=states)
 
     # ------------------------------------------------------------------------------------ slots
@@ -165,6 +197,7 @@ class ModelRunner:
         """Drop finished requests, moving the last running ones into their slots."""
         for r in finished:
             slot = self.running.index(r)
+            r.layer_kv_tokens = self.store.lengths[:, slot].tolist()
             last = len(self.running) - 1
             for buf in (self.store, self.queries):
                 if buf is None:

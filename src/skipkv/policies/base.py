@@ -2,9 +2,10 @@
 
 A policy declares what it needs (`needs`), and returns per-token scores [b, H, n] for one layer
 (`score`). The shared `select` keeps the sink and window tokens and the best-scoring rest, `budget` in all.
-Model-wide policies (`model_wide = True`, for LaProx) are meant to get every layer's scores before choosing;
-the store and masks already allow per-layer lengths, but the runner refuses such a policy until its
-compression step groups rows per layer.
+The runner compresses layer by layer, grouping rows of equal length in that layer, so a policy may leave
+layers at different lengths (per-layer budgets, `layer_capacity`). Model-wide policies (`model_wide = True`,
+LaProx) instead get every layer of one request at once through `select_model_wide` and return one keep
+tensor per layer, of different lengths; the store gives each layer its own capacity, so the bytes follow.
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ class Policy:
         if is_prefill:
             return self.phase in ("prefill", "both") and length > self.budget
         return self.phase in ("decode", "both") and length >= self.budget + self.interval
+
+    def layer_capacity(self, layer: int, num_layers: int, prompt_len: int, max_new_tokens: int) -> int:
+        """Entries one request may need at once in `layer` (the runner sizes each layer by it after prefill)."""
+        return self.capacity(prompt_len, max_new_tokens)
+
+    def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
+        """Model-wide policies only: obs holds every layer of ONE request (b = 1, n_l entries in layer l).
+        Returns one keep tensor [1, H, K_l] (ascending) per layer, or None when nothing is evicted."""
+        raise NotImplementedError
 
     def score(self, obs: Observation) -> torch.Tensor:
         """Per-token scores [b, H, n]; higher is kept. Window and sink tokens are kept whatever they score."""
