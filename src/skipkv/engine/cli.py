@@ -22,8 +22,9 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the offline real model (`skipkv
 _ENGINE_DEFAULTS = EngineConfig()
 
 
-def add_policy_args(p: argparse.ArgumentParser) -> None:
-    """--policy plus one flag per knob of any registered policy (defaults come from the policy dataclass)."""
+def add_policy_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """--policy plus one flag per knob of any registered policy (defaults come from the policy dataclass);
+    knobs in `skip` are left to the caller (e.g. `eval` turns --budget-ratio into a per-example budget)."""
     from skipkv.policies import POLICIES
 
     p.add_argument("--policy", default="full", help=f"one of: {', '.join(POLICIES.names())}")
@@ -32,6 +33,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         for knob, typ, _default, _help in POLICIES.get(name).knobs():
             seen.setdefault(knob, typ)
     for knob, typ in seen.items():
+        if knob in skip:
+            continue
         p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=typ, default=None,
                        help=f"policy knob ({typ.__name__}); default: the policy's own")
 

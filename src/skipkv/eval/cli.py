@@ -86,7 +86,9 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, help="hub id, local folder, .gguf, pulled name, or random:<family>[:size]")
     p.add_argument("--dataset", required=True, help=f"one of: {', '.join(dataset_names())}")
     p.add_argument("--out", required=True, help="run directory (config.json, records.jsonl, summary.json)")
-    add_policy_args(p)  # --policy and one flag per policy knob (--budget, --window, --sink, --interval, ...)
+    # --policy and one flag per policy knob (--budget, --window, --sink, --interval, ...); --budget-ratio is
+    # eval's own: it becomes each example's token budget (for LaProx, the mean per-layer budget)
+    add_policy_args(p, skip=("budget_ratio",))
     p.add_argument("--budget-ratio", type=float, help="budget as a fraction: of --reference's mean generation "
                    "length, or (long-context sets without --reference) of each example's length in tokens")
     p.add_argument("--reference", help="run dir of a full-cache run of the same model and dataset")

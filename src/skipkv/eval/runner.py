@@ -34,6 +34,7 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   staging before its compression included), decode_peak_kv_tokens, decode_peak_kv_bytes (peaks over decode
   steps only), compressions, compress_seconds, seconds
   finish_reason                  "eos" | "length" | "stop"
+  layer_kv_tokens                entries each layer held at the end (differ per layer under LaProx / PyramidKV)
   budget                         the KV budget this request ran under (null for a policy that keeps everything)
   session, finished_at           unix time the generating process started generating / this record finished
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
@@ -82,7 +83,8 @@ IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy"
 CORE_RECORD_KEYS = frozenset({
     "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
     "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
-    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at"})
+    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at",
+    "layer_kv_tokens"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1
 
@@ -480,6 +482,7 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                     "decode_peak_kv_bytes": result.decode_peak_kv_bytes, "compressions": result.compressions,
                     "compress_seconds": result.compress_seconds, "seconds": result.seconds,
                     "finish_reason": result.finish_reason, "budget": budget, "session": session,
+                    "layer_kv_tokens": result.layer_kv_tokens,
                     "finished_at": time.time(),
                 }
                 clash = CORE_RECORD_KEYS & set(job.example.meta)

@@ -124,5 +124,5 @@ class Policy:
         """(name, type, default, help) for every field: what the CLI and configs build flags from."""
         out = []
         for f in fields(cls):
-            out.append((f.name, type(f.default), f.default, f.metadata.get("help", "")))
+            out.append((f.name, f.metadata.get("type", type(f.default)), f.default, f.metadata.get("help", "")))
         return out

@@ -1,0 +1,232 @@
+"""LaProx (Mai & Kim, arXiv 2605.07234): output-aware scores, made comparable across layers, one model-wide top-k.
+
+    skipkv generate --model random:qwen2 --policy laprox --budget-ratio 0.1 --json "a long prompt ..."
+
+Score of cached token i in layer l, over the observation window (the last `prefill_window` prompt queries j):
+
+    score_l(i) = || sum_h sum_j A_{h,j,i} * V_{g(h),i} @ W_O^h ||
+
+A is the softmax of each window query over the causal keys (window keys included), V the value of token i
+in the query head's kv group g(h) (GQA: shared within a group), W_O^h [D, E] the head's slice of `o_proj`.
+Heads are summed BEFORE the norm, so heads that cancel or reinforce each other count (the paper's point).
+`norm` picks the variant:
+  - "sum": the norm of the window-summed output vector (one [n, Hq*D] x [Hq*D, E] product per layer);
+  - "frobenius": the exact per-query contributions, ||C_i||_F with C_i[j] = sum_h A_{h,j,i} u_{h,i}, via the
+    per-head-pair Gram trick ||C_i||^2 = sum_{h,h'} (a_{h,i} . a_{h',i}) (V_{g(h),i}^T W_O^h W_O^h'^T V_{g(h'),i}),
+    never materialising [w, n, E].
+Scores are normalised per layer over that layer's candidates (`normalize`: zscore = the seed's (s - mu)/sigma,
+sum = share of the layer's total, none), then ONE top-k runs over every layer's candidates at once: the model
+keeps `budget` x layers entries, or `budget_ratio` x prompt length x layers. Every layer always keeps its
+`sink` oldest and `prefill_window` newest tokens, and at least `min_layer_tokens` entries in all.
+
+Granularity: layer-level, as in the seed: all kv heads of a layer keep the same tokens. Head-level budgets
+are not offered: the store keeps one length per (slot, layer) shared by its kv heads (one mask per layer,
+[S, H, C_l, D] buffers), so heads of one layer holding different counts would need padding entries that
+cost the same bytes as kept ones, i.e. the memory saving would be faked.
+
+Phase: prefill only (the seed targets long prompts). Decode steps then append one entry per layer and never
+evict; the per-layer capacity after prefill is what each layer kept + max_new_tokens. With chunked prefill
+(`--prefill-chunk`) the model-wide selection runs after every chunk with the whole prompt's budget, so the
+peak stays near budget + chunk per layer. A prompt whose entries all fit the budget is not compressed.
+Departures (the method section is not public, see research/algorithms.md §7): the window size (32), the
+z-score over candidates only, and tie-breaking (older layer, then older token) are our choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from skipkv.config import knob
+from skipkv.errors import SkipKVError
+from skipkv.policies import POLICIES
+from skipkv.policies.base import Observation, Policy
+
+NORMS = ("sum", "frobenius")
+NORMALIZATIONS = ("zscore", "sum", "none")
+
+
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax of the window queries over all keys: queries [b, Hq, w, D] are the tokens of the last w
+    keys of keys [b, H, n, D] (query j sits at key index n - w + j). Returns A [b, Hq, w, n] (query-head order
+    h = kv_head * G + g, as transformers' repeat_kv)."""
+    b, Hq, w, D = queries.shape
+    H, n = keys.shape[1], keys.shape[2]
+    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    q = queries.reshape(b, H, Hq // H, w, D).to(dt)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dt)) * scale
+    visible = torch.arange(n, device=keys.device)[None, :] <= (n - w + torch.arange(w, device=keys.device))[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).reshape(b, Hq, w, n)
+
+
+def output_scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, o_weight: torch.Tensor,
+                  norm: str = "sum", scale: float | None = None, chunk: int = 512) -> torch.Tensor:
+    """LaProx score of every cached token: queries [b, Hq, w, D], keys/values [b, H, n, D], o_weight [E, Hq*D]
+    (nn.Linear layout) -> [b, n] (fp32, fp64 for fp64 inputs)."""
+    b, Hq, w, D = queries.shape
+    H, n = keys.shape[1], keys.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    A = window_attention(queries, keys, scale)  # [b, Hq, w, n]
+    dt = A.dtype
+    V = values.to(dt).repeat_interleave(Hq // H, dim=1)  # [b, Hq, n, D]: head h reads kv head h // G
+    W = o_weight.to(dt)
+    if norm == "sum":
+        a = A.sum(dim=2)  # [b, Hq, n]
+        x = (a[..., None] * V).permute(0, 2, 1, 3).reshape(b, n, Hq * D)  # [b, n, Hq*D]
+        return (x @ W.T).norm(dim=-1)  # [b, n]
+    if norm != "frobenius":
+        raise ValueError(f"unknown norm {norm!r}")
+    Wt = W.view(-1, Hq, D).permute(1, 2, 0)  # [Hq, D, E]: W_O^h
+    gram = torch.einsum("hde,kfe->hkdf", Wt, Wt)  # [Hq, Hq, D, D]: W_O^h W_O^h'^T
+    out = []
+    for s in range(0, n, chunk):  # bounds the [b, c, Hq, Hq, D] intermediate
+        e = min(s + chunk, n)
+        aa = torch.einsum("bhwn,bkwn->bnhk", A[..., s:e], A[..., s:e])  # attention columns, per head pair
+        v = V[:, :, s:e]  # [b, Hq, c, D]
+        uu = torch.einsum("bhnd,hkdf,bknf->bnhk", v, gram, v)  # projected-value dot products, per head pair
+        out.append((aa * uu).sum(dim=(-1, -2)).clamp_min(0).sqrt())
+    return torch.cat(out, dim=1)
+
+
+def normalize_scores(s: torch.Tensor, how: str) -> torch.Tensor:
+    """Per-layer normalisation of candidate scores s [m] so that layers compare: zscore, sum or none."""
+    if how == "none" or s.numel() == 0:
+        return s
+    if how == "sum":
+        return s / s.sum().clamp_min(torch.finfo(s.dtype).tiny)
+    if how == "zscore":
+        return (s - s.mean()) / (s.std(unbiased=False) + 1e-12)
+    raise ValueError(f"unknown normalisation {how!r}")
+
+
+def model_wide_select(scores: list[torch.Tensor], total: int, sink: int, window: int,
+                      floor: int) -> list[torch.Tensor] | None:
+    """One top-k over every layer. scores[l] [n_l] (only candidates' values matter). Each layer keeps its first
+    `sink` and last `window` entries and at least `floor` entries in all (its best candidates); the rest of
+    `total` goes to the best candidates of any layer (ties: lower layer, then older token). Returns kept
+    indices [K_l] per layer (ascending), or None when every entry fits. Raises SkipKVError when `total`
+    cannot cover the protected entries and floors."""
+    lens = [int(s.numel()) for s in scores]
+    if sum(lens) <= total:
+        return None
+    kept: list[list[int]] = []
+    pool_s, pool_l, pool_i = [], [], []
+    for l, s in enumerate(scores):
+        n = lens[l]
+        cand = torch.arange(min(sink, n), max(n - window, min(sink, n)), device=s.device)
+        prot = n - cand.numel()
+        order = cand[torch.sort(s[cand], descending=True, stable=True).indices]
+        extra = min(max(floor - prot, 0), order.numel())
+        kept.append(list(range(min(sink, n))) + order[:extra].tolist() + list(range(max(n - window, min(sink, n)), n)))
+        rest = order[extra:]
+        pool_s.append(s[rest].float() if s.dtype != torch.float64 else s[rest])
+        pool_l.append(torch.full_like(rest, l))
+        pool_i.append(rest)
+    need = sum(len(k) for k in kept)
+    if need > total:
+        raise SkipKVError(f"the budget ({total} entries over {len(scores)} layers) is smaller than the protected "
+                          f"tokens and per-layer floors ({need}); raise the budget or lower prefill_window/sink/"
+                          "min_layer_tokens")
+    ps, pl, pi = torch.cat(pool_s), torch.cat(pool_l), torch.cat(pool_i)
+    # Lexicographic (score desc, layer asc, index asc): sort by the tie-breakers first, then stably by score.
+    o = torch.sort(pi, stable=True).indices
+    o = o[torch.sort(pl[o], stable=True).indices]
+    o = o[torch.sort(ps[o], descending=True, stable=True).indices][: total - need]
+    for l, i in zip(pl[o].tolist(), pi[o].tolist()):
+        kept[l].append(i)
+    return [torch.tensor(sorted(k), dtype=torch.long, device=scores[0].device) for k in kept]
+
+
+@dataclass(frozen=True)
+class _PromptState:
+    prompt_len: int
+
+
+@POLICIES.register("laprox")
+@dataclass(frozen=True)
+class LaProx(Policy):
+    budget_ratio: float | None = knob(None, "model-wide budget as a fraction of the prompt (per layer on "
+                                      "average); overrides budget", gt=0.0, le=1.0, type=float)
+    prefill_window: int = knob(32, "prompt queries that score the prompt (the newest, kept in every layer)", gt=0)
+    norm: str = knob("sum", "norm of the window-summed output (sum) or per-query exact (frobenius)", choices=NORMS)
+    normalize: str = knob("zscore", "per-layer normalisation before the model-wide top-k", choices=NORMALIZATIONS)
+    min_layer_tokens: int = knob(0, "entries every layer keeps at least (protected ones included)", ge=0)
+    phase: str = knob("prefill", "when compression runs (LaProx compresses the prompt)", choices=("prefill",))
+
+    needs: ClassVar[frozenset[str]] = frozenset({"queries"})
+    model_wide: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget_ratio is None:
+            self._check_layer_budget(self.budget, "budget")
+
+    def _check_layer_budget(self, per_layer: int, what: str) -> None:
+        need = max(self.prefill_window + self.sink, self.min_layer_tokens)
+        if per_layer < need:
+            raise SkipKVError(f"laprox {what} leaves {per_layer} entries per layer, fewer than the protected "
+                              f"prefill_window + sink ({self.prefill_window} + {self.sink}) or min_layer_tokens "
+                              f"({self.min_layer_tokens})")
+
+    @property
+    def query_window(self) -> int:
+        return self.prefill_window
+
+    def layer_budget(self, prompt_len: int) -> int:
+        """Entries per layer on average: the model keeps this times the number of layers."""
+        if self.budget_ratio is None:
+            return self.budget
+        return max(1, round(self.budget_ratio * prompt_len))
+
+    def init_state(self, prompt_ids: list[int], tokenizer) -> _PromptState:
+        # The ratio refers to the whole prompt, also between prefill chunks; checked here, before any forward.
+        n = len(prompt_ids)
+        if self.budget_ratio is not None:
+            if n < self.prefill_window:
+                raise SkipKVError(f"laprox prefill_window ({self.prefill_window}) is larger than the prompt ({n} tokens)")
+            self._check_layer_budget(self.layer_budget(n), f"budget ratio {self.budget_ratio} of a {n}-token prompt")
+        return _PromptState(n)
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        # Per layer on average; one layer may hold more (layer_capacity), the model as a whole no more.
+        return min(prompt_len, self.layer_budget(prompt_len)) + max_new_tokens
+
+    def layer_capacity(self, layer: int, num_layers: int, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens  # a layer may keep its whole prompt; the runner sizes by what it kept
+
+    def should_compress(self, length: int, is_prefill: bool) -> bool:
+        if not is_prefill:
+            return False
+        # With a ratio the budget depends on the prompt, so every prefill (chunk) asks; the selection
+        # returns None (nothing evicted, not counted) when all entries fit.
+        return self.budget_ratio is not None or length > self.budget
+
+    def layer_scores(self, obs: Observation) -> torch.Tensor:
+        """Raw LaProx scores [b, n] of one layer."""
+        assert obs.queries is not None
+        w = min(obs.queries.shape[2], obs.keys.shape[2])
+        scale = getattr(obs.module, "scaling", None)
+        return output_scores(obs.queries[:, :, -w:], obs.keys, obs.values, obs.module.o_proj.weight, self.norm, scale)
+
+    def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
+        state = obs[0].states[0] if obs[0].states else None
+        prompt_len = state.prompt_len if isinstance(state, _PromptState) else max(o.keys.shape[2] for o in obs)
+        total = self.layer_budget(prompt_len) * len(obs)
+        if sum(o.keys.shape[2] for o in obs) <= total:
+            return None
+        scores = []
+        for o in obs:
+            s = self.layer_scores(o)[0]
+            n = s.numel()
+            lo, hi = min(self.sink, n), max(n - self.prefill_window, min(self.sink, n))
+            normed = s.clone()
+            normed[lo:hi] = normalize_scores(s[lo:hi], self.normalize)
+            scores.append(normed)
+        keeps = model_wide_select(scores, total, self.sink, self.prefill_window, self.min_layer_tokens)
+        if keeps is None:
+            return None
+        H = obs[0].keys.shape[1]
+        return [k[None, None, :].expand(1, H, -1).contiguous() for k in keeps]

@@ -1,0 +1,243 @@
+"""LaProx (output-aware, model-wide) and PyramidKV (per-layer budgets): scores against naive loops, the model-wide
+selection against a naive global sort, the engine invariants with layers of different lengths, real bytes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from skipkv import SamplingParams, generate, load_model, make_policy
+from skipkv.cli import main
+from skipkv.config import EngineConfig
+from skipkv.errors import SkipKVError
+from skipkv.policies.laprox import model_wide_select, normalize_scores, output_scores
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    return load_model("random:qwen2:sharp", dtype="fp64")
+
+
+def ragged_prompts(vocab: int, lens=(110, 67, 84), seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+# ------------------------------------------------------------------------------------------- the score
+def ref_scores(q, k, v, W, norm, scale):
+    """Naive loop over rows, tokens, heads and window queries: the norm of the summed output (sum) or of the
+    per-query output matrix (frobenius) that token i contributes to the layer after o_proj."""
+    b, Hq, w, D = q.shape
+    H, n = k.shape[1], k.shape[2]
+    G = Hq // H
+    E = W.shape[0]
+    out = torch.zeros(b, n, dtype=torch.float64)
+    for bi in range(b):
+        A = torch.zeros(Hq, w, n, dtype=torch.float64)
+        for h in range(Hq):
+            for j in range(w):
+                last = n - w + j  # query j is the token at key index n - w + j: it sees keys 0..last
+                logits = [float(q[bi, h, j] @ k[bi, h // G, t]) * scale for t in range(last + 1)]
+                m = max(logits)
+                z = sum(math.exp(x - m) for x in logits)
+                for t in range(last + 1):
+                    A[h, j, t] = math.exp(logits[t] - m) / z
+        for i in range(n):
+            vec = torch.zeros(E, dtype=torch.float64)
+            mat = torch.zeros(w, E, dtype=torch.float64)
+            for h in range(Hq):
+                u = W[:, h * D:(h + 1) * D] @ v[bi, h // G, i]  # V_{g(h),i} W_O^h
+                for j in range(w):
+                    vec += A[h, j, i] * u
+                    mat[j] += A[h, j, i] * u
+            out[bi, i] = vec.norm() if norm == "sum" else mat.norm()
+    return out
+
+
+@pytest.mark.parametrize("norm", ["sum", "frobenius"])
+@pytest.mark.parametrize("Hq,H", [(4, 2), (3, 3)])  # GQA (G = 2) and plain multi-head
+def test_output_scores_match_naive_loop(norm, Hq, H):
+    torch.manual_seed(1)
+    b, w, n, D, E = 2, 3, 7, 4, 5
+    q = torch.randn(b, Hq, w, D, dtype=torch.float64) * 2
+    k = torch.randn(b, H, n, D, dtype=torch.float64)
+    v = torch.randn(b, H, n, D, dtype=torch.float64)
+    W = torch.randn(E, Hq * D, dtype=torch.float64)
+    got = output_scores(q, k, v, W, norm, scale=0.7, chunk=3)  # chunk < n: the chunked Gram path
+    torch.testing.assert_close(got, ref_scores(q, k, v, W, norm, 0.7))
+
+
+def test_heads_interact_before_the_norm():
+    # Two heads whose projected values cancel: their sum has norm 0, the sum of per-head norms does not.
+    q = torch.zeros(1, 2, 1, 1, dtype=torch.float64)
+    k = torch.zeros(1, 1, 2, 1, dtype=torch.float64)
+    v = torch.ones(1, 1, 2, 1, dtype=torch.float64)
+    W = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    for norm in ("sum", "frobenius"):
+        assert output_scores(q, k, v, W, norm).abs().max() < 1e-12
+
+
+def test_normalizations():
+    s = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
+    torch.testing.assert_close(normalize_scores(s, "sum"), s / 12)
+    z = normalize_scores(s, "zscore")
+    assert abs(float(z.mean())) < 1e-12 and abs(float(z.std(unbiased=False)) - 1) < 1e-9
+    assert torch.equal(normalize_scores(s, "none"), s)
+
+
+# ------------------------------------------------------------------------------------------- the selection
+def ref_select(scores, total, sink, window, floor):
+    lens = [len(s) for s in scores]
+    if sum(lens) <= total:
+        return None
+    kept, pool = [], []
+    for l, s in enumerate(scores):
+        n = len(s)
+        prot = set(range(min(sink, n))) | set(range(max(n - window, 0), n))
+        cand = sorted((i for i in range(n) if i not in prot), key=lambda i: (-s[i], i))
+        extra = max(floor - len(prot), 0)
+        kept.append(prot | set(cand[:extra]))
+        pool += [(-s[i], l, i) for i in cand[extra:]]
+    left = total - sum(len(k) for k in kept)
+    for _, l, i in sorted(pool)[:left]:
+        kept[l].add(i)
+    return [sorted(k) for k in kept]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_model_wide_select_matches_global_sort(seed):
+    rng = random.Random(seed)
+    lens = [rng.randrange(5, 30) for _ in range(rng.randrange(2, 6))]
+    # Rounded scores: ties across layers and within a layer are common, and must break the same way.
+    scores = [[round(rng.gauss(0, 1), 1) for _ in range(n)] for n in lens]
+    sink, window, floor = rng.randrange(0, 3), rng.randrange(1, 4), rng.randrange(0, 8)
+    prot = sum(max(min(sink + window, n), min(floor, n)) for n in lens)
+    total = rng.randrange(prot, sum(lens) + 3)
+    got = model_wide_select([torch.tensor(s, dtype=torch.float64) for s in scores], total, sink, window, floor)
+    want = ref_select(scores, total, sink, window, floor)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert [g.tolist() for g in got] == want
+        assert sum(len(g) for g in got) == total
+
+
+def test_model_wide_select_rejects_a_budget_below_the_protected_tokens():
+    with pytest.raises(SkipKVError, match="protected"):
+        model_wide_select([torch.zeros(20), torch.zeros(20)], total=10, sink=2, window=4, floor=0)
+
+
+# ------------------------------------------------------------------------------------------- the engine
+@pytest.mark.parametrize("name,knobs", [
+    ("laprox", dict(budget_ratio=0.25, prefill_window=8, sink=2)),
+    ("laprox", dict(budget=30, prefill_window=8, norm="frobenius", normalize="sum")),
+    ("pyramidkv", dict(budget=36, prefill_window=8, interval=8)),
+])
+def test_batch_equals_singles_sharp(sharp, name, knobs):
+    policy = make_policy(name, **knobs)
+    prompts = ragged_prompts(sharp.model.config.vocab_size)
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    batched = generate(sharp, prompts, sp, policy, EngineConfig(batch_size=3))
+    full = generate(sharp, prompts, sp, make_policy("full"), EngineConfig(batch_size=3))
+    assert any(r.token_ids != f.token_ids for r, f in zip(batched, full)), "the budget should change the output"
+    for prompt, res in zip(prompts, batched):
+        alone = generate(sharp, [prompt], sp, policy)[0]
+        assert res.token_ids == alone.token_ids
+        assert res.layer_kv_tokens == alone.layer_kv_tokens
+        assert res.compressions == alone.compressions > 0
+    assert any(len(set(r.layer_kv_tokens)) > 1 for r in batched), "layers should end at different lengths"
+
+
+def test_laprox_keeps_the_model_wide_budget_and_protected_tokens(sharp):
+    from skipkv.attention import attention_backend
+    from skipkv.engine import make_requests
+    from skipkv.engine.runner import ModelRunner
+
+    policy = make_policy("laprox", budget_ratio=0.2, prefill_window=8, sink=3, min_layer_tokens=15)
+    prompts = ragged_prompts(sharp.model.config.vocab_size, (150, 97))
+    reqs = make_requests(sharp, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), policy)
+    runner = ModelRunner(sharp, policy, num_slots=2)
+    store = runner.store
+    with attention_backend(sharp.model), torch.inference_mode():
+        runner.prefill(reqs)
+    L = store.num_layers
+    for s, r in enumerate(reqs):
+        lengths = store.lengths[:, s]
+        assert int(lengths.sum()) == round(0.2 * r.prompt_len) * L
+        assert int(lengths.min()) >= 15
+        for l in range(L):
+            pos = store.pos[l][s, :, : int(lengths[l])]
+            assert (pos == pos[:1]).all(), "all kv heads of a layer keep the same tokens"
+            kept = set(pos[0].tolist())
+            assert set(range(3)) <= kept and set(range(r.prompt_len - 8, r.prompt_len)) <= kept
+            assert (pos[0, 1:] > pos[0, :-1]).all()
+    # Real bytes: each layer's capacity is the most any slot keeps there plus the decode growth.
+    want = [int(store.lengths[l, :2].max()) + 4 for l in range(L)]
+    assert store.capacities == want
+    assert store.allocated_bytes() == 2 * sum(want) * store.bytes_per_entry
+
+
+def test_budget_covering_the_prompt_equals_full(sharp):
+    prompts = ragged_prompts(sharp.model.config.vocab_size, (80, 45))
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    full = generate(sharp, prompts, sp, make_policy("full"), EngineConfig(batch_size=2))
+    for policy in (make_policy("laprox", budget_ratio=1.0, prefill_window=8), make_policy("laprox", budget=80),
+                   make_policy("pyramidkv", budget=1000)):
+        got = generate(sharp, prompts, sp, policy, EngineConfig(batch_size=2))
+        assert [r.token_ids for r in got] == [r.token_ids for r in full]
+        assert all(r.compressions == 0 for r in got)
+
+
+def test_chunked_prefill_compresses_between_chunks(sharp):
+    prompt = ragged_prompts(sharp.model.config.vocab_size, (240,))
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    policy = make_policy("laprox", budget_ratio=0.1, prefill_window=8)
+    whole = generate(sharp, prompt, sp, policy)[0]
+    chunked = generate(sharp, prompt, sp, policy, EngineConfig(prefill_chunk=32))[0]
+    L = sharp.model.config.num_hidden_layers
+    assert sum(chunked.layer_kv_tokens) == sum(whole.layer_kv_tokens) == (24 + 3) * L
+    assert chunked.compressions > 1
+    # Peak: the budget plus one staged chunk per layer (whole: the full prompt in every layer).
+    cfg = sharp.model.config
+    bpe = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 8  # K+V, fp64
+    assert chunked.peak_kv_bytes <= (24 + 32) * L * bpe
+    assert chunked.peak_kv_bytes < whole.peak_kv_bytes
+
+
+def test_must_show_layer_lengths_and_allocated_bytes(tiny):
+    # One request: the store's allocated K/V bytes after compression are exactly the kept entries plus the
+    # decode growth reserved per layer (max_new_tokens).
+    prompt = ragged_prompts(tiny.model.config.vocab_size, (400,))
+    res = generate(tiny, prompt, SamplingParams(max_new_tokens=5, ignore_eos=True),
+                   make_policy("laprox", budget_ratio=0.1, prefill_window=8))[0]
+    L = tiny.model.config.num_hidden_layers
+    kept = [n - (res.generated_tokens - 1) for n in res.layer_kv_tokens]
+    assert sum(kept) == 40 * L and len(set(kept)) > 1
+    cfg = tiny.model.config
+    bpe = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 8  # K+V, fp64
+    assert res.allocated_kv_bytes == (sum(kept) + 5 * L) * bpe
+    assert res.peak_total_bytes > res.peak_kv_bytes
+
+
+BAD = {
+    "budget_below_protected": ["--policy", "laprox", "--budget", "20"],
+    "ratio_zero": ["--policy", "laprox", "--budget-ratio", "0"],
+    "ratio_above_one": ["--policy", "laprox", "--budget-ratio", "1.5"],
+    "ratio_below_protected": ["--policy", "laprox", "--budget-ratio", "0.01"],
+    "window_longer_than_prompt": ["--policy", "laprox", "--budget-ratio", "0.5", "--prefill-window", "64"],
+    "unknown_normalization": ["--policy", "laprox", "--budget-ratio", "0.1", "--normalize", "minmax"],
+    "unknown_norm": ["--policy", "laprox", "--budget-ratio", "0.1", "--norm", "l1"],
+    "decode_phase": ["--policy", "laprox", "--phase", "decode"],
+    "pyramid_beta": ["--policy", "pyramidkv", "--beta", "0.5"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line_exit_2(case, capsys):
+    prompt = "x" * 40 if case == "window_longer_than_prompt" else "y" * 300
+    code = main(["generate", "--model", "random:qwen2", "--max-new-tokens", "2", "--raw", *BAD[case], prompt])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("skipkv: error:"), err
