@@ -124,6 +124,16 @@ def test_model_wide_select_matches_global_sort(seed):
         assert sum(len(g) for g in got) == total
 
 
+def test_model_wide_select_floor_keeps_a_weak_layer():
+    # Layer 1 scores below every token of layer 0: without the floor it would keep only its window.
+    s0 = torch.linspace(10, 11, 20, dtype=torch.float64)
+    s1 = torch.linspace(-11, -10, 20, dtype=torch.float64)
+    keep = model_wide_select([s0, s1], total=20, sink=0, window=2, floor=6)
+    assert [len(k) for k in keep] == [14, 6]
+    assert keep[1].tolist() == [14, 15, 16, 17, 18, 19]  # its 4 best candidates (the newest) + the window
+    assert [len(k) for k in model_wide_select([s0, s1], total=20, sink=0, window=2, floor=0)] == [18, 2]
+
+
 def test_model_wide_select_rejects_a_budget_below_the_protected_tokens():
     with pytest.raises(SkipKVError, match="protected"):
         model_wide_select([torch.zeros(20), torch.zeros(20)], total=10, sink=2, window=4, floor=0)
@@ -241,3 +251,14 @@ def test_bad_input_one_line_exit_2(case, capsys):
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("skipkv: error:"), err
+
+
+def test_pyramid_layer_budgets_and_real_lengths(sharp):
+    policy = make_policy("pyramidkv", budget=100, prefill_window=8)
+    # w = 8; the last layer gets (100 - 8) / 20, the first 2 x 92 minus that, linear in between.
+    assert policy.layer_budgets(4) == [187, 129, 71, 13]
+    small = make_policy("pyramidkv", budget=30, prefill_window=8, phase="prefill")
+    L = sharp.model.config.num_hidden_layers
+    res = generate(sharp, ragged_prompts(sharp.model.config.vocab_size, (90,)),
+                   SamplingParams(max_new_tokens=3, ignore_eos=True), small)[0]
+    assert [n - 2 for n in res.layer_kv_tokens] == small.layer_budgets(L)
