@@ -1,0 +1,158 @@
+"""Layer-output fidelity (LaProx's Figure 4): per layer, how close the attention output of the observation
+window stays to the full cache's once a policy has compressed the prompt.
+
+    skipkv bench fidelity --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 4096,8192 \\
+        --policies snapkv,pyramidkv,laprox --budget-ratio 0.1 --out docs/fidelity.json
+
+For each example, the prompt is prefilled once with the full cache and once per policy (which compresses it
+right after prefill, every policy given budget = ratio x prompt tokens per layer; LaProx spends budget x
+layers model-wide). The last `window` prompt queries of every layer are captured (post-RoPE) during the full
+prefill; since compression happens after the prefill forward, each layer's inputs are identical in both runs,
+so the comparison isolates that layer's approximation. Per layer l and query j, the attention output after
+o_proj, sum_h softmax(q_j K_h^T) V_h W_O^h, is computed against the full store and against the compressed
+store (each key visible iff its true position <= the query's), and the cosine similarity between the two
+[E] vectors is averaged over the window's queries and the examples. Printed as a markdown table (mean and
+worst layer), written as JSON, and plotted (one line per policy across layers, one panel per length).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+from skipkv.attention import QueryBuffer, attention_backend
+from skipkv.config import SamplingParams
+from skipkv.engine import make_requests
+from skipkv.engine.runner import ModelRunner
+from skipkv.errors import SkipKVError
+
+
+def layer_output(module, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kpos: torch.Tensor) -> torch.Tensor:
+    """Attention output after o_proj of queries q [Hq, w, D] (true positions qpos [w]) over one slot's cache
+    k/v [H, n, D] (true positions kpos [H, n]): [w, E] (fp32)."""
+    Hq, w, D = q.shape
+    H = k.shape[0]
+    G = Hq // H
+    scale = getattr(module, "scaling", D**-0.5)
+    logits = torch.einsum("hgwd,hnd->hgwn", q.float().view(H, G, w, D), k.float()) * scale
+    visible = kpos[:, None, None, :] <= qpos[None, None, :, None]  # [H, 1, w, n]
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    out = torch.einsum("hgwn,hnd->hgwd", probs, v.float()).reshape(Hq, w, D)  # head order h * G + g
+    x = out.permute(1, 0, 2).reshape(w, Hq * D)
+    return x @ module.o_proj.weight.float().T + (module.o_proj.bias.float() if module.o_proj.bias is not None else 0)
+
+
+def _prefill(bundle, policy, ids: list[int], window: int | None = None) -> ModelRunner:
+    runner = ModelRunner(bundle, policy, num_slots=1)
+    if window is not None:  # capture the window queries (the full policy declares no need for them)
+        cfg = bundle.model.config
+        runner.queries = QueryBuffer(cfg.num_hidden_layers, 1, cfg.num_attention_heads, window, runner.head_dim,
+                                     bundle.dtype, bundle.device)
+    reqs = make_requests(bundle, [ids], SamplingParams(max_new_tokens=1), policy)
+    runner.prefill(reqs)
+    return runner
+
+
+def fidelity_one(bundle, ids: list[int], policies: dict, window: int) -> dict[str, list[float]]:
+    """Per policy name, the per-layer mean cosine similarity [L] on one prompt."""
+    from skipkv.policies import make_policy
+
+    layers = bundle.model.model.layers
+    with attention_backend(bundle.model), torch.inference_mode():
+        full = _prefill(bundle, make_policy("full"), ids, window)
+        P = len(ids)
+        qpos = torch.arange(P - window, P, device=bundle.device)
+        slot = torch.tensor([0], device=bundle.device)
+        refs, queries = [], []
+        for l, layer in enumerate(layers):
+            q = full.queries.recent(l, slot, window)[0]
+            n = int(full.store.lengths[l, 0])
+            s = full.store
+            refs.append(layer_output(layer.self_attn, q, qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n]))
+            queries.append(q)
+        out = {}
+        for name, policy in policies.items():
+            run = _prefill(bundle, policy, ids)
+            s = run.store
+            cos = []
+            for l, layer in enumerate(layers):
+                n = int(s.lengths[l, 0])
+                got = layer_output(layer.self_attn, queries[l], qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n])
+                cos.append(float(torch.nn.functional.cosine_similarity(got, refs[l], dim=-1).mean()))
+            out[name] = cos
+    return out
+
+
+def format_table(results: dict, lengths: list[int]) -> str:
+    lines = ["| policy | length | mean cosine | worst layer (cosine) |", "|---|---:|---:|---:|"]
+    for name, by_len in results.items():
+        for n in lengths:
+            per_layer = by_len[str(n)]["per_layer"]
+            worst = min(range(len(per_layer)), key=per_layer.__getitem__)
+            lines.append(f"| {name} | {n} | {statistics.fmean(per_layer):.4f} | {worst} ({per_layer[worst]:.4f}) |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, lengths: list[int], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5 * len(lengths), 3.6), dpi=120)
+    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
+    for ax, n in zip(axes, lengths):
+        for name, by_len in results.items():
+            ys = by_len[str(n)]["per_layer"]
+            ax.plot(range(len(ys)), ys, marker="o", markersize=3, label=name)
+        ax.set_title(f"{n} tokens")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("cosine(attention output, full)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[str], budget_ratio: float,
+                 examples: int, window: int, dtype: str, out: str | None, prompt_style: str = "chat") -> dict:
+    from skipkv.eval import prompts
+    from skipkv.eval.datasets import data_request, get_dataset
+    from skipkv.models import load_model
+    from skipkv.policies import make_policy
+
+    if not 0 < budget_ratio <= 1:
+        raise SkipKVError(f"budget ratio must be in (0, 1], got {budget_ratio}")
+    ds = get_dataset(dataset)
+    if not getattr(ds, "long_context", False):
+        raise SkipKVError(f"bench fidelity runs on long-context sets (niah, ...); {dataset} is not one")
+    bundle = load_model(model, dtype=dtype)
+    exs = ds.load(data_request({"lengths": list(lengths)}, bundle.tokenizer, prompt_style))
+    sums: dict[str, dict[str, list[list[float]]]] = {p: {str(n): [] for n in lengths} for p in policies}
+    for n in lengths:
+        chosen = [e for e in exs if int(e.meta.get("length", 0)) == n][:examples]
+        for ex in chosen:
+            ids = prompts.encode(bundle.tokenizer, prompts.render(bundle.tokenizer, ex, prompt_style), prompt_style)
+            if len(ids) <= window:
+                raise SkipKVError(f"a {len(ids)}-token prompt is shorter than the observation window ({window})")
+            budget = max(1, round(budget_ratio * len(ids)))
+            built = {p: make_policy(p, budget=budget) for p in policies}
+            for p, cos in fidelity_one(bundle, ids, built, window).items():
+                sums[p][str(n)].append(cos)
+    results = {p: {k: {"per_layer": [statistics.fmean(c) for c in zip(*v)], "examples": len(v)}
+                   for k, v in by_len.items()} for p, by_len in sums.items()}
+    table = format_table(results, lengths)
+    print(table)
+    report = {"model": model, "dataset": dataset, "lengths": lengths, "budget_ratio": budget_ratio,
+              "window": window, "dtype": dtype, "examples_per_length": examples,
+              "machine": {"host": platform.node(), "cpu": platform.processor(), "torch": torch.__version__},
+              "results": results, "table": table}
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        plot(results, lengths, path.with_suffix(".png"), f"{model} · {dataset} · budget {budget_ratio:g} of the prompt")
+    return report
