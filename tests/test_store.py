@@ -74,3 +74,53 @@ def test_overflow_is_an_error():
     k = torch.zeros(1, H, 3, D)
     with pytest.raises(RuntimeError, match="overflow"):
         store.append(0, 0, k, k, torch.arange(3)[None])
+
+
+def test_per_layer_lengths_and_capacities_against_lists():
+    """Layers compacted to different lengths: appends land at each layer's own length, a per-layer resize
+    keeps every entry, `move` carries each layer's own count, and the bytes follow the capacities."""
+    torch.manual_seed(1)
+    store = KVStore(L, S, H, D, capacity=8, dtype=torch.float64, aux=("attn",))
+    ref = {(l, s, h): [] for l in range(L) for s in range(S) for h in range(H)}
+    k = torch.randn(S, H, 6, D, dtype=torch.float64)
+    for l in range(L):
+        store.append(l, 0, k, k.clone(), torch.arange(6).expand(S, 6))
+    store.advance(0, torch.tensor([6, 6, 6]))
+    for (l, s, h), lst in ref.items():
+        lst += [(p, k[s, h, p].tolist()) for p in range(6)]
+    # layer 0 of slot 1 keeps 2 entries, layer 1 keeps 4 (the same for both heads: layer-level)
+    for l, keep in ((0, [1, 5]), (1, [0, 2, 3, 5])):
+        idx = torch.tensor(keep).expand(1, H, -1)
+        store.compact(l, torch.tensor([1]), idx)
+        for h in range(H):
+            ref[(l, 1, h)] = [ref[(l, 1, h)][j] for j in keep]
+    assert store.lengths[:, 1].tolist() == [2, 4]
+    # one decode token for slot 1 lands at index 2 in layer 0 and at index 4 in layer 1
+    k1 = torch.randn(1, H, 1, D, dtype=torch.float64)
+    for l in range(L):
+        store.append(l, 1, k1, k1.clone(), torch.tensor([[6]]))
+    store.advance(1, torch.tensor([1]))
+    for l in range(L):
+        for h in range(H):
+            ref[(l, 1, h)].append((6, k1[0, h, 0].tolist()))
+    # move slot 1 into slot 2, drop slot 0, then shrink each layer to what its slots hold
+    store.move(1, 2)
+    store.clear(0)
+    for l in range(L):
+        for h in range(H):
+            ref[(l, 2, h)], ref[(l, 1, h)], ref[(l, 0, h)] = ref[(l, 1, h)], [], []
+    assert store.lengths[:, 2].tolist() == [3, 5]
+    store.resize([3, 5])
+    assert store.capacities == [3, 5] and store.capacity == 5
+    for key, lst in ref.items():
+        assert entries(store, *key) == lst
+    assert store.allocated_bytes() == S * (5 + 3) * store.bytes_per_entry
+    assert store.allocated_total_bytes() == S * (5 + 3) * (store.bytes_per_entry + H * 4 * 2)  # + pos + attn
+    assert store.held_bytes(2) == 8 * store.bytes_per_entry
+    with pytest.raises(ValueError, match="layer 1"):
+        store.resize([3, 4])
+    store.ensure_capacity(4)  # grows only the layers below 4
+    assert store.capacities == [4, 5]
+    with pytest.raises(RuntimeError, match="overflow"):
+        store.append(0, 2, torch.zeros(1, H, 2, D, dtype=torch.float64), torch.zeros(1, H, 2, D, dtype=torch.float64),
+                     torch.tensor([[7, 8]]))
