@@ -3,6 +3,7 @@ selection against a naive global sort, the engine invariants with layers of diff
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -262,3 +263,41 @@ def test_pyramid_layer_budgets_and_real_lengths(sharp):
     res = generate(sharp, ragged_prompts(sharp.model.config.vocab_size, (90,)),
                    SamplingParams(max_new_tokens=3, ignore_eos=True), small)[0]
     assert [n - 2 for n in res.layer_kv_tokens] == small.layer_budgets(L)
+
+
+# ------------------------------------------------------------------------------------------- fidelity bench
+def test_fidelity_layer_output_matches_the_model(tiny):
+    """`layer_output` over the full store reproduces what each attention module returned for the window."""
+    from skipkv.attention import attention_backend
+    from skipkv.bench.fidelity import _prefill, layer_output
+
+    ids = ragged_prompts(tiny.model.config.vocab_size, (60,))[0]
+    seen = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, l=l: seen.__setitem__(l, out[0][0, -8:].clone()))
+             for l, layer in enumerate(tiny.model.model.layers)]
+    try:
+        with attention_backend(tiny.model), torch.inference_mode():
+            run = _prefill(tiny, make_policy("full"), ids, window=8)
+    finally:
+        for h in hooks:
+            h.remove()
+    s, slot = run.store, torch.tensor([0])
+    for l, layer in enumerate(tiny.model.model.layers):
+        got = layer_output(layer.self_attn, run.queries.recent(l, slot, 8)[0], torch.arange(52, 60),
+                           s.k[l][0, :, :60], s.v[l][0, :, :60], s.pos[l][0, :, :60])
+        torch.testing.assert_close(got.double(), seen[l].double())
+
+
+def test_bench_fidelity_cli(tmp_path, capsys):
+    out = tmp_path / "fid.json"
+    args = ["bench", "fidelity", "--model", "random:qwen2", "--dataset", "niah", "--lengths", "600",
+            "--policies", "streaming_llm,laprox", "--window", "8", "--dtype", "fp32", "--out", str(out)]
+    assert main(args + ["--budget-ratio", "1.0"]) == 0
+    whole = json.loads(out.read_text())["results"]
+    for name in ("streaming_llm", "laprox"):  # nothing evicted: every layer's output is the full cache's
+        assert all(abs(c - 1) < 1e-5 for c in whole[name]["600"]["per_layer"])
+    assert main(args + ["--budget-ratio", "0.2"]) == 0
+    cut = json.loads(out.read_text())["results"]
+    assert all(c < 0.9999 for c in cut["streaming_llm"]["600"]["per_layer"])
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| laprox | 600 |" in capsys.readouterr().out
