@@ -29,7 +29,9 @@ evict; the per-layer capacity after prefill is what each layer kept + max_new_to
 (`--prefill-chunk`) the model-wide selection runs after every chunk with the whole prompt's budget, so the
 peak stays near budget + chunk per layer. A prompt whose entries all fit the budget is not compressed.
 Departures (the method section is not public, see research/algorithms.md §7): the window size (32), the
-z-score over candidates only, and tie-breaking (older layer, then older token) are our choices.
+z-score over candidates only, and tie-breaking (older layer, then older token) are our choices. `kernel`
+(off by default) max-pools each layer's candidate scores before normalising, as SnapKV does, so that the
+neighbours of a strong token (the other digits of a needle) survive with it; the sweep measures both.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
+from skipkv.scoring import pool1d
 
 NORMS = ("sum", "frobenius")
 NORMALIZATIONS = ("zscore", "sum", "none")
@@ -154,6 +157,7 @@ class LaProx(Policy):
     norm: str = knob("sum", "norm of the window-summed output (sum) or per-query exact (frobenius)", choices=NORMS)
     normalize: str = knob("zscore", "per-layer normalisation before the model-wide top-k", choices=NORMALIZATIONS)
     min_layer_tokens: int = knob(0, "entries every layer keeps at least (protected ones included)", ge=0)
+    kernel: int = knob(1, "max-pool width over each layer's candidate scores (1 = off; SnapKV uses 7)", gt=0, odd=True)
     phase: str = knob("prefill", "when compression runs (LaProx compresses the prompt)", choices=("prefill",))
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
@@ -223,7 +227,8 @@ class LaProx(Policy):
             n = s.numel()
             lo, hi = min(self.sink, n), max(n - self.prefill_window, min(self.sink, n))
             normed = s.clone()
-            normed[lo:hi] = normalize_scores(s[lo:hi], self.normalize)
+            cand = pool1d(s[None, None, lo:hi], self.kernel, "max")[0, 0] if hi > lo else s[lo:hi]
+            normed[lo:hi] = normalize_scores(cand, self.normalize)
             scores.append(normed)
         keeps = model_wide_select(scores, total, self.sink, self.prefill_window, self.min_layer_tokens)
         if keeps is None:
