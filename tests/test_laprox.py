@@ -302,3 +302,27 @@ def test_bench_fidelity_cli(tmp_path, capsys):
     assert all(c < 0.9999 for c in cut["streaming_llm"]["600"]["per_layer"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| laprox | 600 |" in capsys.readouterr().out
+
+
+def test_kernel_pools_candidate_scores_before_the_global_top_k():
+    from dataclasses import dataclass as dc
+
+    from skipkv.policies.base import Observation
+    from skipkv.policies.laprox import LaProx
+
+    fixed = [torch.zeros(20, dtype=torch.float64), torch.zeros(20, dtype=torch.float64)]
+    fixed[0][10], fixed[1][3] = 5.0, 1.0
+
+    @dc(frozen=True)
+    class Fixed(LaProx):  # the score itself is tested above; here only what happens after it
+        def layer_scores(self, obs):
+            return fixed[obs.layer][None]
+
+    def obs(l):
+        x = torch.zeros(1, 1, 20, 2)
+        return Observation(l, x, x, torch.zeros(1, 1, 20, dtype=torch.int32), None, None, None, True)
+
+    keep = lambda **k: [t[0, 0].tolist() for t in Fixed(budget=3, prefill_window=2, window=1, normalize="none", **k)
+                        .select_model_wide([obs(0), obs(1)])]
+    assert keep() == [[10, 18, 19], [3, 18, 19]]
+    assert keep(kernel=3) == [[9, 10, 18, 19], [18, 19]]  # the peak's neighbours tie with it; older first
