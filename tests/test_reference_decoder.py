@@ -116,7 +116,8 @@ def test_engine_matches_reference(monkeypatch, sharp, key):
     different steps and a finished slot is refilled by moving the last running request into it; prompts
     prefilled in chunks of 9 (long ones compress after several chunks); interval 4 < window 6."""
     spec = dict(SPECS[key], budget=18, interval=4, window=6 if key != "streaming_llm" else 0)
-    check_against_reference(monkeypatch, sharp, spec, PROMPTS[:3], [20, 10, 16],
+    # Prompt 1 (7 tokens) is right-padded in the first prefill and compressed later, once it has 22 entries.
+    check_against_reference(monkeypatch, sharp, spec, PROMPTS[:3], [20, 16, 16],
                             EngineConfig(batch_size=2, prefill_chunk=9, group_by_length=False))
 
 
