@@ -20,9 +20,10 @@ directory is used again; any difference is a SkipKVError, so one directory never
   budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
   sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
   grader                         {name, + its settings}
-  engine                         EngineConfig minus batch_size
+  engine                         EngineConfig minus batch_size (plus batch_size for 16-bit dtypes, see below)
 Not compared: execution {limit, samples, batch_size, out, reference_dir} — a larger --limit or more
---samples extends a run, and batch size does not change tokens (the engine's batch == singles invariant) —
+--samples extends a run, and in fp32/fp64 batch size does not change tokens (the engine's batch == singles
+invariant; in bf16/fp16 a padded row rounds differently, so there batch_size is compared) —
 and environment {git_revision, git_dirty, versions, machine, created}.
 
 records.jsonl — one JSON object per finished (id, sample), appended, flushed and fsynced as it finishes:
@@ -422,7 +423,9 @@ def run_eval(cfg: EvalConfig) -> Path:
             "budget_reference": {"mean_generated_tokens": ref_mean} if ref_mean is not None else None,
             "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(grader)},
             "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items() if k != "batch_size"}
-            | {"prefill_chunk": cfg.prefill_chunk},
+            | {"prefill_chunk": cfg.prefill_chunk}
+            # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it.
+            | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {}),
             "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
                           "out": str(out), "reference_dir": cfg.reference},
             "environment": _environment(), "config_version": CONFIG_VERSION,

@@ -65,6 +65,16 @@ def _check_family(model_type: str, name: str) -> str:
     return model_type
 
 
+def check_attention_layout(config, name: str) -> None:
+    """Refuse sliding-window attention layers (Qwen2 `use_sliding_window`, Gemma-style `layer_types`): the skipkv
+    attention backend attends over each slot's whole cache, so such a layer would silently see too much."""
+    window = getattr(config, "sliding_window", None)
+    sliding = [i for i, t in enumerate(getattr(config, "layer_types", None) or []) if t == "sliding_attention"]
+    if sliding and window is not None and window < int(getattr(config, "max_position_embeddings", 1 << 30)):
+        raise SkipKVError(f"model {name!r} has sliding-window attention (window {window}) in layers "
+                          f"{', '.join(map(str, sliding))}, which skipkv does not support")
+
+
 def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu", seed: int = 0) -> ModelBundle:
     """Load `name` (see module docstring) for inference, in eval mode, on `device`."""
     torch_dtype = resolve_dtype(dtype)
@@ -72,6 +82,7 @@ def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu"
         from skipkv.models.random import build_random
 
         model, tokenizer, family = build_random(name, torch_dtype, seed=seed)
+        check_attention_layout(model.config, name)
         return ModelBundle(model.to(device).eval(), tokenizer, name, family)
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -98,6 +109,7 @@ def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu"
     except (OSError, ValueError) as exc:
         raise SkipKVError(f"cannot load model {name!r}: {str(exc).splitlines()[0]}") from None
     family = _check_family(config.model_type, name)
+    check_attention_layout(config, name)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     return ModelBundle(model.to(device).eval(), tokenizer, name, family)

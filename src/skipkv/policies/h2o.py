@@ -3,11 +3,12 @@
     skipkv generate --model random:qwen2 --policy h2o --budget 64 "Hello"
 
 Faithful by default: a token's score is the attention it has received, summed over every query since it
-entered the cache (prompt queries included) and over the query heads of its kv group; the newest `window`
-tokens are kept as the recent set. `variant="last_query"` reproduces the R-KV/SkipKV repos' "H2O", which
-scores by the softmax of the newest query only (window forced to 1 there; here `window` stays a knob).
-Departures: eviction runs every `interval` steps (not every token) so that batched gathers stay cheap;
-GQA scores are summed over the group's query heads.
+entered the cache (prompt queries included) and over the query heads of its kv group; as in the paper, half
+the budget is the recent set (`recent_ratio` 0.5; the recent set is max(window, recent_ratio x budget)) and
+the other half the heavy hitters. `variant="last_query"` reproduces the R-KV/SkipKV repos' "H2O", which
+scores by the softmax of the newest query only and keeps only the newest token as recent: use
+`--variant last_query --recent-ratio 0 --window 1`. Departures: eviction runs every `interval` steps (not
+every token) so that batched gathers stay cheap; GQA scores are summed over the group's query heads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
@@ -28,8 +30,24 @@ from skipkv.scoring import window_logits
 class H2O(Policy):
     variant: str = knob("accumulated", "accumulated attention (paper) or the repos' last-query variant",
                         choices=("accumulated", "last_query"))
+    recent_ratio: float = knob(0.5, "fraction of the budget kept as the newest tokens (paper: 0.5; 0 = window)",
+                               ge=0.0, lt=1.0)
 
     needs: ClassVar[frozenset[str]] = frozenset({"attn", "queries"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recent + self.sink >= self.budget:
+            raise SkipKVError(f"h2o recent set ({self.recent} = max(window, recent_ratio x budget)) + sink "
+                              f"({self.sink}) must be below the budget ({self.budget})")
+
+    @property
+    def recent(self) -> int:
+        """Newest tokens kept whatever they score."""
+        return max(self.window, int(self.recent_ratio * self.budget))
+
+    def kept_window(self, obs: Observation) -> int:
+        return self.recent
 
     @property
     def query_window(self) -> int:

@@ -5,10 +5,14 @@
 At prefill the observation window is the last `prefill_window` (32) prompt tokens: they are kept, and their
 queries score the older tokens. At decode time it repeats every `interval` steps with the newest `window` (8)
 tokens, which is how the R-KV repo adapts SnapKV to reasoning. Scores: softmax of the window queries over the
-older tokens, averaged over queries, then 1-D pooled (`kernel` 7, `pooling` max). Departures from the paper's
-code: GQA logits are reduced over each query group (`group_reduce`, max as in R-KV) instead of repeating keys
-per query head; pooling defaults to max with kernel 7 (the paper's code uses avg pooling with kernel 5 or 7;
-set `pooling=avg`). With `phase` prefill or both, `budget` must exceed `prefill_window + sink`.
+older tokens, averaged over queries, then 1-D pooled (`kernel` 7). Two variants:
+- `rkv` (default, as the R-KV repo scores SnapKV): the softmax covers the candidates only (the window keys are
+  left out of its denominator), max pooling, and average pooling (`pooling=avg`) divides by the in-range width.
+- `paper` (SnapKV's own code, snapkv_utils.py): the window queries' softmax covers every key, the window keys
+  causally masked, then the candidates are avg-pooled with zero padding counted (`count_include_pad`).
+`pooling=auto` means max for `rkv` and avg for `paper`. Departures from both: GQA logits are reduced over each
+query group (`group_reduce`, max as in R-KV) instead of repeating keys per query head, and kept indices are
+sorted. With `phase` prefill or both, `budget` must exceed `prefill_window + sink`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
-from skipkv.scoring import window_importance
+from skipkv.scoring import causal_window_importance, pool1d, window_importance
 
 
 @POLICIES.register("snapkv")
@@ -30,7 +34,10 @@ from skipkv.scoring import window_importance
 class SnapKV(Policy):
     prefill_window: int = knob(32, "prompt queries that score the prompt at prefill (kept whole)", gt=0)
     kernel: int = knob(7, "pooling width over importance (odd)", gt=0, odd=True)
-    pooling: str = knob("max", "1-D pooling over importance", choices=("max", "avg"))
+    pooling: str = knob("auto", "1-D pooling over importance (auto: max for variant rkv, avg for paper)",
+                        choices=("auto", "max", "avg"))
+    variant: str = knob("rkv", "rkv: softmax over the candidates (R-KV repo); paper: over all keys, window "
+                        "causal, avg pooling counting padding (SnapKV code)", choices=("rkv", "paper"))
     group_reduce: str = knob("max", "reduce GQA logits over each query group", choices=("max", "mean"))
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
@@ -53,7 +60,12 @@ class SnapKV(Policy):
         n = obs.keys.shape[2]
         assert obs.queries is not None
         queries = obs.queries[:, :, -w:]
-        # Candidates precede every observation query, so no causal mask is needed; the window is kept by `select`.
         cand = n - w
-        imp = window_importance(queries, obs.keys[:, :, :cand], self.kernel, self.pooling, self.group_reduce)
+        pooling = self.pooling if self.pooling != "auto" else ("avg" if self.variant == "paper" else "max")
+        if self.variant == "paper":
+            imp = causal_window_importance(queries, obs.keys, self.group_reduce)
+            imp = pool1d(imp, self.kernel, pooling, count_include_pad=True)
+        else:
+            # Candidates precede every observation query, so no causal mask is needed; `select` keeps the window.
+            imp = window_importance(queries, obs.keys[:, :, :cand], self.kernel, pooling, self.group_reduce)
         return torch.cat([imp, imp.new_zeros(*imp.shape[:2], n - cand)], dim=-1)

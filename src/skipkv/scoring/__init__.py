@@ -32,8 +32,25 @@ def window_importance(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 7
     return pool1d(probs, kernel, pooling)
 
 
-def pool1d(x: torch.Tensor, kernel: int, pooling: str = "max") -> torch.Tensor:
-    """Same-length 1-D pooling over the last axis of [b, H, n] (stride 1, padding kernel // 2)."""
+def causal_window_importance(queries: torch.Tensor, keys: torch.Tensor, group_reduce: str = "max") -> torch.Tensor:
+    """SnapKV's own code: the w observation queries (the newest w tokens') softmax over ALL n keys, the window
+    keys masked causally, averaged over queries; only the n - w candidates are returned (unpooled).
+
+    queries [b, H*G, w, D], keys [b, H, n, D] (the window's keys are the last w) -> [b, H, n - w].
+    """
+    logits = window_logits(queries, keys, group_reduce)  # [b, H, w, n]
+    w, n = logits.shape[-2], logits.shape[-1]
+    rows = torch.arange(w, device=logits.device)[:, None]
+    cols = torch.arange(n, device=logits.device)[None, :]
+    future = cols - (n - w) > rows  # window key j is after query i
+    probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1).mean(dim=2)
+    return probs[..., : n - w]
+
+
+def pool1d(x: torch.Tensor, kernel: int, pooling: str = "max", count_include_pad: bool = False) -> torch.Tensor:
+    """Same-length 1-D pooling over the last axis of [b, H, n] (stride 1, padding kernel // 2).
+
+    Average pooling divides by the in-range width unless `count_include_pad` (SnapKV's code: zeros pad the ends)."""
     if kernel <= 1:
         return x
     b, H, n = x.shape
@@ -41,7 +58,7 @@ def pool1d(x: torch.Tensor, kernel: int, pooling: str = "max") -> torch.Tensor:
     if pooling == "max":
         out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
     elif pooling == "avg":
-        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=count_include_pad)
     else:
         raise ValueError(f"unknown pooling {pooling!r}")
     return out.reshape(b, H, n)
