@@ -62,10 +62,10 @@ def engine_run(monkeypatch, bundle, spec, prompts, max_new, engine: EngineConfig
             r = self.running[s]
             n = int(store.lengths[0, s])
             assert (store.lengths[:, s] == n).all()
-            processed = int(store.pos[:, s, :, :n].max()) + 1
-            events[r.index].append((processed, is_prefill, store.pos[:, s, :, :n].long().clone()))
+            processed = max(int(p[s, :, :n].max()) for p in store.pos) + 1
+            events[r.index].append((processed, is_prefill, torch.stack([p[s, :, :n] for p in store.pos]).long()))
             if "attn" in store.aux:
-                aux[r.index].append(store.aux["attn"][:, s, :, :n].double().clone())
+                aux[r.index].append(torch.stack([a[s, :, :n] for a in store.aux["attn"]]).double())
 
     moves = []
     original_move = KVStore.move
