@@ -34,6 +34,7 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   staging before its compression included), decode_peak_kv_tokens, decode_peak_kv_bytes (peaks over decode
   steps only), compressions, compress_seconds, seconds
   finish_reason                  "eos" | "length" | "stop"
+  sandbox                        code tasks: the isolation level that ran the program ("namespaces" | "unsafe-basic")
   budget                         the KV budget this request ran under (null for a policy that keeps everything)
   session, finished_at           unix time the generating process started generating / this record finished
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
@@ -48,6 +49,7 @@ summary.json — over all records in the directory:
   mean_compressions, finish_reasons {reason: count}
   tokens_per_second              generated tokens / generation wall time, summed over sessions
   by                             {meta key: {value: accuracy}} for length and depth, when examples have them
+  sandbox                        code tasks: the isolation level of the records (a list if they differ)
   dataset, model, policy, budget, budget_ratio
 """
 
@@ -83,7 +85,8 @@ IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy"
 CORE_RECORD_KEYS = frozenset({
     "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
     "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
-    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at"})
+    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at",
+    "sandbox"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1
 
@@ -418,6 +421,7 @@ def run_eval(cfg: EvalConfig) -> Path:
     grader = _make_grader(cfg, dataset)
     mode, fixed_budget, ref_mean = _budget_plan(cfg, dataset)
     policy = _make_policy(cfg, fixed_budget)  # validates the knobs before a model is loaded
+    grader.check()  # e.g. the code sandbox's isolation: unavailable -> a one-line error before any output
     max_new = cfg.max_new_tokens or dataset.max_new_tokens
     stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
     out = _check_run_dir(cfg.out)
@@ -473,6 +477,9 @@ def run_eval(cfg: EvalConfig) -> Path:
         summary.update(complete=all((ex.id, s) in store.keys() for ex in examples for s in range(cfg.samples)),
                        dataset=cfg.dataset, model=cfg.model, policy=cfg.policy, budget=policy_record["budget"],
                        budget_ratio=cfg.budget_ratio)
+        levels = sorted({str(r["sandbox"]) for r in store.records() if "sandbox" in r})
+        if levels:
+            summary["sandbox"] = levels[0] if len(levels) == 1 else levels
         _write_json(out / SUMMARY_FILE, summary)
     return out
 
@@ -515,6 +522,8 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                 clash = CORE_RECORD_KEYS & set(job.example.meta)
                 if clash:
                     raise SkipKVError(f"example meta key {sorted(clash)[0]!r} clashes with a record field")
+                if verdict.sandbox is not None:
+                    record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
                 record.update(job.example.meta)
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1
