@@ -313,7 +313,7 @@ def test_no_silent_downgrade(monkeypatch) -> None:
     with pytest.raises(SkipKVError, match="unavailable.*unsafe-basic"):
         Sandbox().isolation
     with pytest.raises(SkipKVError, match="unavailable"):
-        CodeGrader().check()
+        CodeGrader().ready()
     assert CodeGrader(isolation="unsafe-basic").sandbox().isolation == "unsafe-basic"  # asked for by name
     for bad in ("auto", "basic", "none"):
         with pytest.raises(SkipKVError, match="isolation"):

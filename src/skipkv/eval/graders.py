@@ -46,7 +46,7 @@ class Verdict:
 
 
 class Grader(ABC):
-    def check(self) -> None:
+    def ready(self) -> None:
         """Fail now, with a one-line SkipKVError, if this grader cannot work on this machine."""
 
     @abstractmethod
@@ -202,7 +202,7 @@ class CodeGrader(Grader):
     def limits(self) -> SandboxLimits:
         return SandboxLimits(timeout_s=self.timeout_s, memory_bytes=self.memory_bytes)
 
-    def check(self) -> None:
+    def ready(self) -> None:
         self.sandbox()
 
     def sandbox(self) -> Sandbox:

@@ -421,7 +421,7 @@ def run_eval(cfg: EvalConfig) -> Path:
     grader = _make_grader(cfg, dataset)
     mode, fixed_budget, ref_mean = _budget_plan(cfg, dataset)
     policy = _make_policy(cfg, fixed_budget)  # validates the knobs before a model is loaded
-    grader.check()  # e.g. the code sandbox's isolation: unavailable -> a one-line error before any output
+    grader.ready()  # e.g. the code sandbox's isolation: unavailable -> a one-line error before any output
     max_new = cfg.max_new_tokens or dataset.max_new_tokens
     stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
     out = _check_run_dir(cfg.out)
