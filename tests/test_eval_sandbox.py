@@ -7,6 +7,7 @@ an escape, and the parent also checks the side effects directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -137,8 +138,10 @@ def test_hostile_programs_are_contained(namespaces: CodeGrader, listener, tmp_pa
 
 
 def _processes_of(uid: int) -> int:
-    out = subprocess.run(["ps", "-u", str(uid), "-o", "pid="], capture_output=True, text=True)
-    return len(out.stdout.split())
+    """Live processes of `uid`. Zombies do not count: they are dead, waiting for a reaper (this machine's
+    init may be slow to reap the ones orphaned by a killed caller)."""
+    out = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True)
+    return sum(1 for state in out.stdout.split() if not state.startswith("Z"))
 
 
 def test_basic_isolation_contains_the_plain_attacks(basic: CodeGrader, listener, tmp_path: Path, monkeypatch) -> None:
@@ -268,7 +271,10 @@ _CALLER = """
 import secrets, sys
 import skipkv.eval.sandbox as sb
 sb.secrets.randbelow = lambda n: int(sys.argv[1]) - sb.UID_RANGE[0]  # a uid the test can look for
-sb.Sandbox(sb.SandboxLimits(timeout_s=60)).run("import time\\ntime.sleep(60)")
+box = sb.Sandbox(sb.SandboxLimits(timeout_s=60))
+assert box.isolation == "namespaces"  # the start-up probe runs (and ends) before the program
+print("probed", flush=True)
+box.run("import time\\ntime.sleep(60)")
 """
 
 
@@ -282,8 +288,9 @@ def test_program_dies_with_its_caller_killed_by_sigkill(namespaces: CodeGrader, 
     script = tmp_path / "caller.py"
     script.write_text(_CALLER)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    caller = subprocess.Popen([sys.executable, str(script), str(uid)], env=env)
+    caller = subprocess.Popen([sys.executable, str(script), str(uid)], env=env, stdout=subprocess.PIPE, text=True)
     try:
+        assert caller.stdout.readline().strip() == "probed"
         deadline = time.time() + 20
         while time.time() < deadline and not _processes_of(uid):
             time.sleep(0.1)
@@ -296,6 +303,9 @@ def test_program_dies_with_its_caller_killed_by_sigkill(namespaces: CodeGrader, 
         assert f" {uid} " not in ps
     finally:
         caller.kill()
+        for pid in subprocess.run(["ps", "-u", str(uid), "-o", "pid="], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)  # only if the test failed: leave no survivor behind
 
 
 def test_no_silent_downgrade(monkeypatch) -> None:

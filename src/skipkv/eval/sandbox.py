@@ -12,8 +12,8 @@ from one to the other: the level asked for runs, or the run stops with a SkipKVE
 - `namespaces` (the default; Linux, root, `unshare`, `setpriv`, `pivot_root`; probed once by running code):
   new network namespace (no interfaces but a down loopback: no host, no abstract Unix socket is
   reachable), new PID namespace with its own /proc (the parent's processes and their environments are
-  invisible, and when the program, the namespace's init, exits the kernel kills everything left in it, so
-  no background process outlives a run), and a private mount namespace whose root is a fresh tmpfs of
+  invisible, and when the program exits its shell, the namespace's init, exits and the kernel kills
+  everything left in it, so no background process outlives a run), and a private mount namespace whose root is a fresh tmpfs of
   `disk_bytes` (the only writable area, so a disk fill stops there) holding read-only binds of only what
   Python needs (/usr and the Python install, a few /dev nodes) plus /work and /tmp: no host path, no host
   Unix socket, no /root, /home or /tmp of the host exists in it. The code runs under an unprivileged uid
@@ -52,8 +52,8 @@ MIN_PATH = "/usr/bin:/bin"
 PROBE_TIMEOUT_S = 20.0  # the start-up probe's own limit: a tiny per-program timeout must not fail the probe
 PR_SET_PDEATHSIG = 1
 
-# Runs as root inside the new namespaces: builds the new root on a size-capped tmpfs, pivots into it,
-# drops the host's tree, then drops to the run's uid and execs Python as the PID namespace's init.
+# Runs as root inside the new namespaces, as the PID namespace's init: builds the new root on a
+# size-capped tmpfs, pivots into it, drops the host's tree, then runs Python under the run's uid.
 # $1 host dir holding prog.py, $2 empty host dir for the new root, $3 uid, $4 tmpfs size, $5 inodes,
 # $6... read-only folders to bind at the same path (the Python install); then "--" and the command.
 _NS_SETUP = r"""
@@ -83,7 +83,13 @@ chmod 700 "$r/work"; chmod 1777 "$r/tmp"
 cd "$r"; mkdir .host; pivot_root . .host; umount -l /.host; rmdir /.host
 cd /work
 PATH="$path0"
-exec setpriv --reuid="$id" --regid="$id" --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
+# Not `exec`: this shell stays the namespace's init, as root, so the parent-death signal that
+# `unshare --kill-child` gave it survives (a uid change, as in setpriv, would clear it). When the
+# caller dies, unshare dies (PR_SET_PDEATHSIG), this init dies, and the kernel kills the namespace.
+set +e
+setpriv --reuid="$id" --regid="$id" --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
+status=$?
+exit $status
 """
 
 # Under `unsafe-basic`, this runs before the untrusted program (same process) and refuses what the OS
