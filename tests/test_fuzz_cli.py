@@ -69,6 +69,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "adir").mkdir()
     (root / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     (root / "noconfig").mkdir()
+    # The working directory holds a finished run, so a command that wrongly defaults to "." finds work to do.
+    shutil.copytree(Path(__file__).parents[1] / "docs" / "results" / "runs" / "gsm8k" / "full-s0", root / "cwd" / "run",
+                    ignore=shutil.ignore_patterns("*.png", "report*"))
     from skipkv.models import load_model
 
     bundle = load_model("random:qwen2", dtype="fp32")
@@ -80,7 +83,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     sweep = root / "sweep.yaml"
     sweep.write_text("model: random:qwen2\ndatasets: [gsm8k]\npolicies: [full]\nout: runs\nlimit: 1\n")
     return {k: str(root / k) for k in ("afile", "binary.jsonl", "prompts.jsonl", "badrow.jsonl", "empty.jsonl",
-                                       "adir", "bad.gguf", "noconfig", "model", "truncated", "sweep.yaml")} | {
+                                       "adir", "bad.gguf", "noconfig", "model", "truncated", "sweep.yaml", "cwd")} | {
         "root": str(root), "missing": str(root / "missing" / "x"), "below_file": str(root / "afile" / "x"),
         "proc": "/proc/skipkv-fuzz/x"}
 
@@ -89,14 +92,21 @@ def _path(files: dict[str, str], *keys: str):
     return st.sampled_from([files[k] for k in keys] + [""])
 
 
+def _tree(folder: str) -> list[str]:
+    return sorted(str(p) for p in Path(folder).rglob("*"))
+
+
 def _check(argv: list[str], capsys) -> int:
-    """Run the CLI; assert it ended in success or a one-line error with exit 2. Returns the exit code."""
+    """Run the CLI; assert it ended in success or a one-line error with exit 2 and left the working directory
+    as it was. Returns the exit code."""
+    before = _tree(".")
     try:
         rc = main(argv)
     except SystemExit as exc:  # argparse usage errors
         rc = exc.code if isinstance(exc.code, int) else 2
     err = capsys.readouterr().err
     assert "Traceback" not in err, (argv, err)
+    assert _tree(".") == before, (argv, "wrote into the working directory")
     if rc == 0:
         return rc
     assert rc == 2, (argv, rc, err)
@@ -130,7 +140,8 @@ def generate_argv(draw, files):
     return argv
 
 
-def test_fuzz_generate(files, capsys) -> None:
+def test_fuzz_generate(files, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(files['cwd'])  # empty, and must stay so: no run writes into the working directory
     @_settings(30)
     @given(generate_argv(files))
     def run(argv: list[str]) -> None:
@@ -156,7 +167,8 @@ def eval_argv(draw, files):
     return argv, out
 
 
-def test_fuzz_eval(files, capsys) -> None:
+def test_fuzz_eval(files, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(files['cwd'])  # empty, and must stay so: no run writes into the working directory
     @_settings(12)
     @given(eval_argv(files))
     def run(case) -> None:
@@ -195,7 +207,8 @@ def other_argv(draw, files):
     return ["sweep", str(path), "--dry-run"]
 
 
-def test_fuzz_bench_report_sweep(files, capsys) -> None:
+def test_fuzz_bench_report_sweep(files, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(files['cwd'])  # empty, and must stay so: no run writes into the working directory
     @_settings(20)
     @given(other_argv(files))
     def run(argv: list[str]) -> None:

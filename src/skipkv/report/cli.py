@@ -14,13 +14,20 @@ from skipkv.errors import SkipKVError
 from skipkv.outputs import check_dir
 
 
+def _dir(text: str) -> Path:
+    # Path("") is the working directory: an empty DIR would report on (and write report/ into) it.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("DIR must name a path, got ''")
+    return Path(text)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from skipkv.report import FORMATS
 
     p = sub.add_parser("report", help="tables and plots from run dirs (reads records; runs no model)",
                        description="Aggregate run dirs (or folders holding them) into a policy x budget table "
                                    "per dataset, printed and/or written as report.md with PNG plots.")
-    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run dirs, or folders searched for them")
+    p.add_argument("dirs", nargs="+", type=_dir, metavar="DIR", help="run dirs, or folders searched for them")
     p.add_argument("--out", default=None,  # a str: Path("") would silently become the working directory
                    help="report folder (default: DIR/report when one DIR is given)")
     p.add_argument("--format", choices=FORMATS, default="both",
