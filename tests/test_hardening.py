@@ -299,3 +299,13 @@ def test_sweep_cells_are_checked_when_the_file_is_read(tmp_path: Path, capsys) -
     rc, err = run_cli(["sweep", str(path), "--dry-run"], capsys)
     one_line_error(rc, err, "is a file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
+
+
+def test_tiny_and_huge_temperatures_sample_without_nan(tiny) -> None:
+    # 1e-300: logits / T overflowed to inf -> NaN probabilities (found by the fuzz test). Tiny T is greedy.
+    greedy = generate(tiny, ["hello there"], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+    for t in (1e-300, 5e-324):
+        out = generate(tiny, ["hello there"], SamplingParams(max_new_tokens=4, temperature=t, ignore_eos=True))
+        assert out[0].token_ids == greedy
+    assert len(generate(tiny, ["x"], SamplingParams(max_new_tokens=3, temperature=1e300, top_p=0.5, top_k=3,
+                                                    ignore_eos=True))[0].token_ids) == 3
