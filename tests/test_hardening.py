@@ -95,7 +95,7 @@ def test_generation_longer_than_the_context_is_refused_before_allocating(tiny, m
 
 def test_device_check() -> None:
     assert str(check_device("cpu")) == "cpu"
-    for bad in ("cuda:7" if not __import__("torch").cuda.is_available() else "cuda:999", "tpu:0", "", "gpu"):
+    for bad in ("cuda:7" if not __import__("torch").cuda.is_available() else "cuda:999", "tpu:0", "", "gpu", "meta"):
         with pytest.raises(SkipKVError, match="device"):
             check_device(bad)
 

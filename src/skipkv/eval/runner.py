@@ -161,7 +161,9 @@ class EvalConfig:
         resolve_dtype(self.dtype)
         check_device(self.device)
         check_dir(self.out, "--out")
-        _make_policy(self, self.budget)  # a ratio's budget is set later; the policy's default stands in
+        # The policy and its knobs. A ratio's budget is only known later (from the reference run or each
+        # prompt's length); a large one stands in, so rules like budget > window do not refuse a valid setup.
+        _make_policy(self, self.budget if self.budget_ratio is None else 1 << 20)
 
 
 def sample_seed(seed: int, example_id: str, sample: int) -> int:

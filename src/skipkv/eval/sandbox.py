@@ -31,6 +31,7 @@ Every result records the level that ran it (`SandboxResult.isolation`).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import resource
 import secrets
@@ -253,7 +254,7 @@ class Sandbox:
         missing = [t for t in ("unshare", "setpriv", "mount", "umount", "pivot_root") if not shutil.which(t)]
         if missing:
             return f"{', '.join(missing)} not found"
-        probe_limits = SandboxLimits(**{**self.limits.__dict__, "timeout_s": max(self.limits.timeout_s, PROBE_TIMEOUT_S)})
+        probe_limits = dataclasses.replace(self.limits, timeout_s=max(self.limits.timeout_s, PROBE_TIMEOUT_S))
         probe = self._run("import os\nprint(os.getuid())\n", "namespaces", probe_limits)
         if not (probe.passed and probe.stdout.strip() == str(probe.uid)):
             last = (probe.stderr.strip().splitlines() or [probe.status])[-1][:160]
