@@ -71,7 +71,7 @@ def test_budget_ratio_range_and_cross_field_rules(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kw, word", [
-    ({"batch_size": 0}, "batch_size"), ({"span": 0}, "span"), ({"lengths": (1, 8)}, "lengths"),
+    ({"batch_size": 0}, "batch_size"), ({"batch_size": 10**10}, "batch_size"), ({"span": 0}, "span"), ({"lengths": (1, 8)}, "lengths"),
     ({"lengths": ()}, "lengths"), ({"budget": -1}, "budget"), ({"interval": 0}, "interval"),
     ({"policies": ("nope",)}, "nope"), ({"policies": ()}, "policy"), ({"window": -1}, "window"),
     ({"dtype": "int3"}, "dtype"),
@@ -309,3 +309,14 @@ def test_tiny_and_huge_temperatures_sample_without_nan(tiny) -> None:
         assert out[0].token_ids == greedy
     assert len(generate(tiny, ["x"], SamplingParams(max_new_tokens=3, temperature=1e300, top_p=0.5, top_k=3,
                                                     ignore_eos=True))[0].token_ids) == 3
+
+
+def test_a_budget_beyond_the_request_allocates_nothing_for_it(tiny) -> None:
+    from skipkv.policies import make_policy
+
+    # budget 4e9 tried to allocate ~500 GB for the slot (found by the fuzz test); the slot is sized by what
+    # the request can hold, and the output is the full cache's.
+    huge = make_policy("rkv", budget=4_424_011_758, interval=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    assert huge.capacity(10, 3) == 13
+    assert generate(tiny, ["hello"], sp, huge)[0].token_ids == generate(tiny, ["hello"], sp)[0].token_ids

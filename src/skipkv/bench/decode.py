@@ -126,7 +126,7 @@ class DecodeBenchConfig:
     budget: int = knob(256, "KV budget of the compressing policies", gt=0)
     interval: int = knob(128, "compress every this many tokens", gt=0)
     window: int = knob(8, "recent tokens always kept", ge=0)
-    batch_size: int = knob(1, "requests decoded together", gt=0)
+    batch_size: int = knob(1, "requests decoded together (each one materialised)", gt=0, le=4096)
     dtype: str = "bf16"
     span: int = knob(64, "steps before each length whose median is reported", gt=0)
     out: str | None = knob(None, "JSON report path", kind=str)
