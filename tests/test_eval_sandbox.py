@@ -7,10 +7,12 @@ an escape, and the parent also checks the side effects directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 
 from skipkv.eval.datasets import Example, packaged
 from skipkv.eval.graders import CodeGrader
+from skipkv.errors import SkipKVError
 from skipkv.eval.sandbox import Sandbox, SandboxLimits
 
 TIMEOUT = 1.5
@@ -35,15 +38,17 @@ def task(body: str, check: str = "    assert candidate() is True\n") -> tuple[Ex
 
 @pytest.fixture(scope="module")
 def namespaces() -> CodeGrader:
-    grader = CodeGrader(timeout_s=TIMEOUT, isolation="auto")
-    if grader.sandbox().isolation != "namespaces":
-        pytest.skip("namespace isolation needs Linux, root, unshare and setpriv")
+    grader = CodeGrader(timeout_s=TIMEOUT)  # the default level
+    try:
+        assert grader.sandbox().isolation == "namespaces"
+    except SkipKVError as exc:
+        pytest.skip(str(exc))
     return grader
 
 
 @pytest.fixture(scope="module")
 def basic() -> CodeGrader:
-    return CodeGrader(timeout_s=TIMEOUT, isolation="basic")
+    return CodeGrader(timeout_s=TIMEOUT, isolation="unsafe-basic")
 
 
 def grade(grader: CodeGrader, body: str, check: str = "    assert candidate() is True\n"):
@@ -111,7 +116,9 @@ def test_hostile_programs_are_contained(namespaces: CodeGrader, listener, tmp_pa
     for name, body in _attacks(port, outside).items():
         verdict, seconds = grade(namespaces, body)
         results[name] = verdict
-        assert not verdict.correct, f"{name}: {verdict.detail}"
+        # /tmp inside the sandbox is its own (part of the capped tmpfs): writing there is allowed; the
+        # host's /tmp is checked below.
+        assert not verdict.correct or name == "write to /tmp", f"{name}: {verdict.detail}"
         assert seconds < TIMEOUT + 5, f"{name} took {seconds:.1f}s"
         assert SECRET not in verdict.detail
     assert results["infinite loop"].detail.startswith("timeout")
@@ -131,12 +138,15 @@ def test_hostile_programs_are_contained(namespaces: CodeGrader, listener, tmp_pa
 
 
 def _processes_of(uid: int) -> int:
-    out = subprocess.run(["ps", "-u", str(uid), "-o", "pid="], capture_output=True, text=True)
-    return len(out.stdout.split())
+    """Live processes of `uid`. Zombies do not count: they are dead, waiting for a reaper (this machine's
+    init may be slow to reap the ones orphaned by a killed caller)."""
+    out = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True)
+    return sum(1 for state in out.stdout.split() if not state.startswith("Z"))
 
 
-def test_basic_isolation_contains_the_same_attacks(basic: CodeGrader, listener, tmp_path: Path, monkeypatch) -> None:
-    # The fallback for machines without namespaces: limits, a clean environment and an audit hook.
+def test_basic_isolation_contains_the_plain_attacks(basic: CodeGrader, listener, tmp_path: Path, monkeypatch) -> None:
+    # The opt-in level for machines without namespaces: limits, a clean environment and an audit hook.
+    # It holds against these, not against everything (see the escapes below), hence its name.
     monkeypatch.setenv("SKIPKV_TEST_SECRET", SECRET)
     port, hits = listener
     outside = tmp_path / "escaped.txt"
@@ -145,7 +155,7 @@ def test_basic_isolation_contains_the_same_attacks(basic: CodeGrader, listener, 
     for name in ("infinite loop", "huge allocation", "network", "write outside", "parent environment", "huge file"):
         verdict, seconds = grade(basic, attacks[name])
         assert not verdict.correct, f"{name}: {verdict.detail}"
-        assert "[basic]" in verdict.detail
+        assert "[unsafe-basic]" in verdict.detail and verdict.sandbox == "unsafe-basic"
         assert seconds < TIMEOUT + 5
     assert not hits and not outside.exists()
     assert grade(basic, "import tempfile\nwith tempfile.NamedTemporaryFile() as f:\n    f.write(b'ok')\n"
@@ -171,3 +181,150 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail() -> None:
         fenced = f"Sure.\n```python\n{row['prompt']}{row['canonical_solution']}```\n"
         assert grader.grade(fenced, ex).correct, row["id"]
         assert not grader.grade("    return None\n", ex).correct, row["id"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# The attacks that got past the old levels, each contained at the default level (namespaces).
+def _escapes(outside: Path, sock: Path, victim: int) -> dict[str, str]:
+    o = str(outside)
+    return {
+        "unix socket at a host path": (
+            f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(sock)!r})\nreturn True"),
+        "rename out": f"import os\nopen('a', 'w').write('x')\nos.rename('a', {o + '/renamed'!r})\nreturn True",
+        "hard link out": f"import os\nopen('a', 'w').write('x')\nos.link('a', {o + '/linked'!r})\nreturn True",
+        "symlink out": (f"import os\nos.symlink({o + '/via-symlink'!r}, 'l')\nopen('l', 'w').write('x')\n"
+                        "return True"),
+        "dir_fd out": (f"import os\nfd = os.open({o!r}, os.O_RDONLY)\n"
+                       "os.close(os.open('via-dirfd', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\nreturn True"),
+        "host paths visible": (f"import os\nreturn any(os.path.exists(p) for p in ({o!r}, '/root/.bashrc', "
+                               "'/home', '/var', '/run', '/etc/passwd', '/sys/kernel'))"),
+        "pidfd kill": (
+            "import os, signal\nhit = False\n"
+            f"for pid in {{{victim}, os.getppid()}} - {{0}}:  # (kill(0) is the own process group)\n"
+            "    try:\n"
+            "        signal.pidfd_send_signal(os.pidfd_open(pid), signal.SIGKILL)\n"
+            "        hit = True\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "    try:\n"
+            "        os.kill(pid, signal.SIGKILL)\n"
+            "        hit = True\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "return hit"),
+    }
+
+
+def test_escapes_are_contained_by_namespaces(namespaces: CodeGrader, tmp_path: Path) -> None:
+    outside = tmp_path / "host"
+    outside.mkdir()
+    os.chmod(tmp_path, 0o777)
+    os.chmod(outside, 0o777)  # world-writable: only the sandbox's walls keep the program out
+    sock_path = tmp_path / "host.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock_path))
+    os.chmod(sock_path, 0o777)
+    server.listen(1)
+    server.setblocking(False)
+    victim = subprocess.Popen(["sleep", "60"])  # stands in for the parent: never the test process itself
+    try:
+        for name, body in _escapes(outside, sock_path, victim.pid).items():
+            verdict, _ = grade(namespaces, body)
+            assert not verdict.correct, f"{name}: {verdict.detail}"
+            assert verdict.sandbox == "namespaces"
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected to the host socket
+        assert victim.poll() is None, "the sandbox killed a host process"
+        assert sorted(outside.iterdir()) == []
+    finally:
+        victim.kill()
+        server.close()
+
+
+def test_background_process_and_disk_fill_are_contained() -> None:
+    box = Sandbox(SandboxLimits(timeout_s=5.0, disk_bytes=8 << 20))
+    try:
+        assert box.isolation == "namespaces"
+    except SkipKVError as exc:
+        pytest.skip(str(exc))
+    # A daemon that detaches (fork + setsid) and would live for a minute after the program returns.
+    bg = box.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
+                 "print('parent done')\n")
+    assert bg.passed and bg.uid is not None
+    assert _wait_gone(bg.uid), "a background process outlived the run"
+    # Filling the disk with many small files (each under the per-file limit) stops at the tmpfs size.
+    fill = box.run("import os\nn = 0\ntry:\n    while True:\n"
+                   "        open(f'/tmp/f{n}', 'wb').write(b'x' * (1 << 20))\n        n += 1\n"
+                   "except OSError as e:\n    print(n, e.errno)\n")
+    written, errno = map(int, fill.stdout.split())
+    assert written <= 8 and errno == 28, fill.stdout  # ENOSPC at the 8 MiB cap
+
+
+def _wait_gone(uid: int, seconds: float = 5.0) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline and _processes_of(uid):
+        time.sleep(0.1)
+    return _processes_of(uid) == 0
+
+
+_CALLER = """
+import secrets, sys
+import skipkv.eval.sandbox as sb
+sb.secrets.randbelow = lambda n: int(sys.argv[1]) - sb.UID_RANGE[0]  # a uid the test can look for
+box = sb.Sandbox(sb.SandboxLimits(timeout_s=60))
+assert box.isolation == "namespaces"  # the start-up probe runs (and ends) before the program
+print("probed", flush=True)
+box.run("import time\\ntime.sleep(60)")
+"""
+
+
+def test_program_dies_with_its_caller_killed_by_sigkill(namespaces: CodeGrader, tmp_path: Path) -> None:
+    import secrets
+    import signal
+
+    from skipkv.eval.sandbox import UID_RANGE
+
+    uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    caller = subprocess.Popen([sys.executable, str(script), str(uid)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout.readline().strip() == "probed"
+        deadline = time.time() + 20
+        while time.time() < deadline and not _processes_of(uid):
+            time.sleep(0.1)
+        assert _processes_of(uid), "the sandboxed program never started"
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+        assert _wait_gone(uid), "the program outlived its caller"
+        # ... and so did nothing of the sandbox's own (unshare, its shell): their command lines carry the uid.
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert f" {uid} " not in ps
+    finally:
+        caller.kill()
+        for pid in subprocess.run(["ps", "-u", str(uid), "-o", "pid="], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)  # only if the test failed: leave no survivor behind
+
+
+def test_no_silent_downgrade(monkeypatch) -> None:
+    import skipkv.eval.sandbox as sb
+
+    # A per-program timeout too short for Python to start does not fail the start-up probe ...
+    tiny = Sandbox(SandboxLimits(timeout_s=0.01))
+    try:
+        assert tiny.isolation == "namespaces"
+    except SkipKVError as exc:
+        pytest.skip(str(exc))
+    # ... and a machine that cannot provide namespaces is an error, never a quiet fallback to a weaker level.
+    real_which = sb.shutil.which
+    monkeypatch.setattr(sb.shutil, "which", lambda t: None if t == "pivot_root" else real_which(t))
+    with pytest.raises(SkipKVError, match="unavailable.*unsafe-basic"):
+        Sandbox().isolation
+    with pytest.raises(SkipKVError, match="unavailable"):
+        CodeGrader().ready()
+    assert CodeGrader(isolation="unsafe-basic").sandbox().isolation == "unsafe-basic"  # asked for by name
+    for bad in ("auto", "basic", "none"):
+        with pytest.raises(SkipKVError, match="isolation"):
+            CodeGrader(isolation=bad)

@@ -4,7 +4,9 @@
     skipkv policies
 
 Every subcommand lives in the module that owns it (it exposes `register(subparsers)`); this file only
-assembles them and turns a SkipKVError into a one-line message with exit code 2.
+assembles them and turns a SkipKVError into a one-line message with exit code 2; so are an OSError (the
+environment refused a file operation) and a UnicodeDecodeError (a binary file where text was expected) that
+reach it, and nothing else: any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "unknown error"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="skipkv", description="LLM generation with a compressed KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -47,7 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except SkipKVError as exc:
-        print(f"skipkv: error: {exc}", file=sys.stderr)
+        print(f"skipkv: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:
+        # A file read at the edge that is not text (a binary file given where a text one is expected).
+        print(f"skipkv: error: a file is not {exc.encoding} text (byte {exc.start}: {exc.reason})", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # The environment refused a file operation (missing, unwritable, disk full ...): not a bug of ours.
+        # Programming errors (TypeError, KeyError, ...) are not caught: they keep their traceback.
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"skipkv: error: {_one_line(exc.strerror or str(exc))}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("skipkv: interrupted", file=sys.stderr)

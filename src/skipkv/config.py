@@ -9,13 +9,15 @@ from skipkv.errors import SkipKVError
 
 
 def knob(default, help: str = "", *, ge=None, gt=None, le=None, lt=None, choices=None, odd: bool = False,
-         type: type | None = None):
+         kind: type | None = None):
     """A config field whose constraints live beside its default; `check_fields` enforces them when the
-    config is built, so a bad value fails before any model loads or any file is written. An optional knob
-    has default None and names its `type` (None stays allowed; anything else is checked as that type)."""
-    meta: dict = {"help": help}
-    if type is not None:
-        meta["type"] = type
+    config is built, so a bad value fails before any model loads or any file is written.
+
+    kind: for an optional field (default None), the type a value other than None must have (int, float, str).
+    """
+    meta = {"help": help}
+    if kind is not None:
+        meta["kind"] = kind
     for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("choices", choices)):
         if v is not None:
             meta[k] = tuple(v) if k == "choices" else v
@@ -34,10 +36,10 @@ def check_fields(obj, what: str) -> None:
         if f.default is MISSING:
             continue
         v, d, m, name = getattr(obj, f.name), f.default, f.metadata, f.name
-        if d is None and "type" in m:  # an optional knob: unset is fine, a value is checked as its type
+        if d is None and "kind" in m:
             if v is None:
-                continue
-            d = m["type"]()
+                continue  # optional and unset
+            d = m["kind"]()  # check a given value as if the default were of its kind
         if isinstance(d, bool):
             if not isinstance(v, bool):
                 raise SkipKVError(f"{what} {name} must be true or false, got {v!r}")

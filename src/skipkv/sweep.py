@@ -336,8 +336,8 @@ def to_eval_config(cell: Cell) -> Any:
     from skipkv.eval.runner import EvalConfig
 
     try:
-        return EvalConfig(**eval_fields(cell))
-    except TypeError as exc:  # e.g. an `options` key that is no EvalConfig field
+        return EvalConfig(**eval_fields(cell))  # checks every field, the policy's knobs and the output dir
+    except (TypeError, SkipKVError) as exc:  # TypeError: e.g. an `options` key that is no EvalConfig field
         raise SkipKVError(f"sweep: cell {cell['name']}: {exc}") from None
 
 

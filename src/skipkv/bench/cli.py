@@ -11,25 +11,22 @@ import argparse
 from skipkv.errors import SkipKVError
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str) -> tuple[int, ...]:
     try:
-        vals = [int(x) for x in text.split(",") if x]
+        return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise SkipKVError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) <= 1:
-        raise SkipKVError(f"lengths must be integers > 1, got {text!r}")
-    return vals
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from skipkv.bench.decode import run_bench
-    from skipkv.policies import POLICIES
+    from skipkv.bench.decode import DecodeBenchConfig, run_bench
 
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        POLICIES.get(p)  # one-line error for an unknown name, before loading a model
-    run_bench(args.model, policies, _ints(args.lengths), args.budget, args.interval, args.window, args.batch_size,
-              args.dtype, args.span, args.out)
+    # Everything is checked here (policies, knobs, lengths, --out) before the model loads.
+    cfg = DecodeBenchConfig(model=args.model, policies=tuple(p for p in args.policies.split(",") if p),
+                            lengths=_ints(args.lengths), budget=args.budget, interval=args.interval,
+                            window=args.window, batch_size=args.batch_size, dtype=args.dtype, span=args.span,
+                            out=args.out)
+    run_bench(cfg)
     return 0
 
 

@@ -22,15 +22,17 @@ from pathlib import Path
 import torch
 
 from skipkv.attention import attention_backend
-from skipkv.config import SamplingParams
+from skipkv.config import SamplingParams, check_fields, knob
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
+from skipkv.errors import SkipKVError
+from skipkv.outputs import check_file, write_atomic
 
 
 @dataclass
 class PolicyRun:
     policy: str
-    step_ms: dict[int, float] = field(default_factory=dict)  # generated length -> median step time
+    step_ms: dict[int, float | None] = field(default_factory=dict)  # generated length -> median step time
     kv_tokens: dict[int, int] = field(default_factory=dict)  # generated length -> entries held per head
     peak_kv_bytes: int = 0
     allocated_peak_bytes: int = 0
@@ -72,7 +74,8 @@ class _Lane:
             # decode step i (0-based) brings the request to i + 2 generated tokens; take the steps ending at L
             lo, hi = max(0, L - 1 - span), L - 1
             window = [t for t, c in zip(times[lo:hi], self.compressed[lo:hi]) if not c]
-            run.step_ms[L] = 1000 * statistics.median(window)
+            # every step in the span compressed (interval 1): no plain step to time at this length
+            run.step_ms[L] = 1000 * statistics.median(window) if window else None
             run.kv_tokens[L] = self.held[hi - 1]
         run.peak_kv_bytes = max(r.peak_kv_bytes for r in self.reqs)
         run.allocated_peak_bytes = self.runner.store.peak_allocated
@@ -108,27 +111,62 @@ def format_table(runs: list[PolicyRun], lengths: list[int]) -> str:
     rows = [head, sep]
     for r in runs:
         share = r.compress_s / r.decode_s if r.decode_s else 0.0
-        rows.append(f"| {r.policy} | " + " | ".join(f"{r.step_ms[L]:.1f}" for L in lengths)
+        rows.append(f"| {r.policy} | " + " | ".join("n/a" if r.step_ms[L] is None else f"{r.step_ms[L]:.1f}" for L in lengths)
                     + f" | {r.kv_tokens[max(lengths)]} | {r.peak_kv_bytes / 2**20:.1f} | {100 * share:.1f}% | {r.tokens_per_s:.2f} |")
     return "\n".join(rows)
 
 
-def run_bench(model: str, policies: list[str], lengths: list[int], budget: int, interval: int, window: int,
-              batch_size: int, dtype: str, span: int, out: str | None) -> dict:
-    from skipkv.models import load_model
-    from skipkv.policies import make_policy
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    """The arguments of `skipkv bench decode`, checked when built (before a model loads or the benchmark runs)."""
 
-    bundle = load_model(model, dtype=dtype)
+    model: str = "random:qwen2:0.5b"
+    policies: tuple[str, ...] = ("full", "rkv")
+    lengths: tuple[int, ...] = (256, 1024, 4096)
+    budget: int = knob(256, "KV budget of the compressing policies", gt=0)
+    interval: int = knob(128, "compress every this many tokens", gt=0)
+    window: int = knob(8, "recent tokens always kept", ge=0)
+    batch_size: int = knob(1, "requests decoded together (each one materialised)", gt=0, le=4096)
+    dtype: str = "bf16"
+    span: int = knob(64, "steps before each length whose median is reported", gt=0)
+    out: str | None = knob(None, "JSON report path", kind=str)
+
+    def __post_init__(self) -> None:
+        from skipkv.models import resolve_dtype
+
+        check_fields(self, "bench decode")
+        if not self.policies:
+            raise SkipKVError("bench decode: give at least one policy")
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 1 for n in self.lengths):
+            raise SkipKVError(f"bench decode lengths must be integers > 1, got {list(self.lengths)}")
+        resolve_dtype(self.dtype)
+        self.make_policies()  # unknown names and bad knobs fail here
+        if self.out is not None:
+            check_file(self.out, "--out")
+
+    def make_policies(self) -> list:
+        from skipkv.policies import make_policy
+
+        return [make_policy(n) if n == "full" else
+                make_policy(n, budget=self.budget, interval=self.interval, window=self.window) for n in self.policies]
+
+
+def run_bench(cfg: DecodeBenchConfig) -> dict:
+    """Run the benchmark of `cfg`, print its table, write its JSON report to cfg.out (atomically) if given."""
+    from skipkv.models import load_model
+
+    made = cfg.make_policies()
+    bundle = load_model(cfg.model, dtype=cfg.dtype)
+    lengths = list(cfg.lengths)
     prompt = "Solve step by step: a train leaves at noon at 60 km/h; when has it covered 150 km?"
-    made = [make_policy(n) if n == "full" else make_policy(n, budget=budget, interval=interval, window=window)
-            for n in policies]
-    runs = bench_policies(bundle, made, prompt, lengths, batch_size, span)
+    runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span)
     table = format_table(runs, lengths)
     print(table)
-    report = {"model": model, "dtype": dtype, "batch_size": batch_size, "budget": budget, "interval": interval,
-              "window": window, "lengths": lengths, "span": span, "machine": machine(),
-              "runs": [r.__dict__ for r in runs], "table": table}
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=2))
+    report = {"model": cfg.model, "dtype": cfg.dtype, "batch_size": cfg.batch_size, "budget": cfg.budget,
+              "interval": cfg.interval, "window": cfg.window, "lengths": lengths, "span": cfg.span,
+              "machine": machine(), "runs": [r.__dict__ for r in runs], "table": table}
+    if cfg.out:
+        out = check_file(cfg.out, "--out")  # again: the place may have changed while the benchmark ran
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, json.dumps(report, indent=2))
     return report

@@ -24,7 +24,8 @@ from skipkv.engine.scheduler import Scheduler
 from skipkv.errors import SkipKVError
 from skipkv.policies import Policy, make_policy
 
-__all__ = ["EngineConfig", "RequestResult", "SamplingParams", "generate", "encode_prompt", "eos_ids", "make_requests"]
+__all__ = ["EngineConfig", "RequestResult", "SamplingParams", "generate", "encode_prompt", "eos_ids", "make_requests",
+           "check_fits"]
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
@@ -82,6 +83,13 @@ def _result(tokenizer, r: Request) -> RequestResult:
                          layer_kv_tokens=list(r.layer_kv_tokens), allocated_kv_bytes=r.allocated_kv_bytes)
 
 
+def check_fits(what: str, prompt_len: int, max_new_tokens: int, max_context: int) -> None:
+    """A prompt plus its generation must fit the model's context (the cache is sized for it up front)."""
+    if prompt_len + max_new_tokens > max_context:
+        raise SkipKVError(f"{what}: {prompt_len} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
+                          f"model's context of {max_context}; lower --max-new-tokens")
+
+
 def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
     """Validate and tokenize prompts into requests (one SamplingParams for all, or one per prompt)."""
     if isinstance(sampling, SamplingParams):
@@ -94,8 +102,7 @@ def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
         ids = encode_prompt(bundle.tokenizer, p)
         if not ids:
             raise SkipKVError(f"prompt {i} is empty")
-        if len(ids) >= bundle.max_context:
-            raise SkipKVError(f"prompt {i} has {len(ids)} tokens; the model's context is {bundle.max_context}")
+        check_fits(f"prompt {i}", len(ids), sp.max_new_tokens, bundle.max_context)
         gen = None
         if not sp.greedy:
             gen = torch.Generator(device=bundle.device)

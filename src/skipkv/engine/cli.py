@@ -77,7 +77,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         path = Path(args.prompts)
         if not path.is_file():
             raise SkipKVError(f"prompts file not found: {path}")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise SkipKVError(f"{path} is not UTF-8 text (byte {exc.start}); --prompts takes a JSONL file") from None
+        except OSError as exc:
+            raise SkipKVError(f"cannot read {path}: {exc.strerror}") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

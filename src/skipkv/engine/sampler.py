@@ -14,7 +14,10 @@ from skipkv.engine.request import Request
 
 def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Temperature, top-k and top-p applied to one row of logits [V] (fp32); returns filtered logits."""
-    x = logits / sp.temperature
+    # Shift so the largest logit is 0 first (softmax, top-k and top-p do not change), in fp64 (a temperature
+    # like 1e-300 is 0 in fp32): a tiny temperature then sends the others to -inf, a greedy pick, instead of
+    # overflowing every logit to inf (a NaN distribution).
+    x = (logits.double() - logits.max()) / sp.temperature
     if sp.top_k and sp.top_k < x.numel():
         kth = torch.topk(x, sp.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -61,7 +61,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = EvalConfig(
         model=args.model, dataset=args.dataset, policy=args.policy, out=args.out, policy_knobs=knobs,
         dataset_options={k: v for k, v in data_options.items() if v is not None},
-        grader_options={"timeout_s": args.code_timeout} if args.code_timeout is not None else {},
+        grader_options={k: v for k, v in (("timeout_s", args.code_timeout), ("isolation", args.sandbox))
+                        if v is not None},
         quiet=args.quiet, **{k: v for k, v in given.items() if v is not None},
     )
     out = run_eval(cfg)
@@ -77,6 +78,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     from skipkv.engine.cli import add_policy_args
+    from skipkv.eval.sandbox import ISOLATION_LEVELS
     from skipkv.eval.datasets import dataset_names
     from skipkv.eval.prompts import STYLES
 
@@ -114,5 +116,8 @@ def register(sub) -> None:
     p.add_argument("--per-length", type=int, help="long context: examples per length (niah: per length x depth)")
     p.add_argument("--data-seed", type=int, help="seed of the long-context generators (default 0)")
     p.add_argument("--code-timeout", type=float, help="seconds per generated program (humaneval)")
+    p.add_argument("--sandbox", choices=ISOLATION_LEVELS,
+                   help="isolation of generated code (humaneval): namespaces (default; the run stops if this "
+                        "machine cannot provide it) or unsafe-basic (an audit hook only; not a security boundary)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
     p.set_defaults(func=cmd_eval)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from skipkv.eval.datasets import Example, HumanEval
-from skipkv.eval.sandbox import Sandbox, SandboxLimits
+from skipkv.config import check_fields, knob
+from skipkv.eval.sandbox import ISOLATION_LEVELS, Sandbox, SandboxLimits
 from skipkv.registry import Registry
 
 # Chat and end-of-text markers that some engines leave in decoded text; everything after them is not an answer.
@@ -41,9 +42,13 @@ class Verdict:
     extracted: str | None
     score: float
     detail: str = ""
+    sandbox: str | None = None  # the isolation level that ran the code (code grader), recorded with the grade
 
 
 class Grader(ABC):
+    def ready(self) -> None:
+        """Fail now, with a one-line SkipKVError, if this grader cannot work on this machine."""
+
     @abstractmethod
     def grade(self, output: str, example: Example) -> Verdict:
         """Grade one model output against one example. Never raises on bad output."""
@@ -178,18 +183,32 @@ def truncate_completion(code: str, stops: Sequence[str]) -> str:
     return code[:cut]
 
 
+_LIMITS = SandboxLimits()
+
+
 @GRADERS.register("code")
 @dataclass(frozen=True)
 class CodeGrader(Grader):
-    timeout_s: float = 10.0
-    memory_bytes: int = 1 << 30
-    isolation: str = "auto"
+    timeout_s: float = _LIMITS.timeout_s
+    memory_bytes: int = _LIMITS.memory_bytes
+    isolation: str = knob("namespaces", "sandbox level; unsafe-basic only when asked for", choices=ISOLATION_LEVELS)
     stops: tuple[str, ...] = HumanEval.raw_stop  # where a raw completion of the stub ends
     _sandbox: Any = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        check_fields(self, "code grader")
+        self.limits()  # timeout_s and memory_bytes are checked by SandboxLimits, which owns their constraints
+
+    def limits(self) -> SandboxLimits:
+        return SandboxLimits(timeout_s=self.timeout_s, memory_bytes=self.memory_bytes)
+
+    def ready(self) -> None:
+        self.sandbox()
+
     def sandbox(self) -> Sandbox:
         if self._sandbox is None:
-            box = Sandbox(SandboxLimits(timeout_s=self.timeout_s, memory_bytes=self.memory_bytes), self.isolation)
+            box = Sandbox(self.limits(), self.isolation)
+            box.isolation  # probe now: an unavailable level stops the run before any grading
             object.__setattr__(self, "_sandbox", box)  # frozen dataclass: cache the probed sandbox once
         return self._sandbox
 
@@ -201,7 +220,8 @@ class CodeGrader(Grader):
             # A continuation of the stub: it ends where the next top-level statement would start.
             code = truncate_completion(code, self.stops)
         result = self.sandbox().run(build_program(prompt, code, str(example.reference), entry))
-        return Verdict(result.passed, code, float(result.passed), f"{result.summary()} [{result.isolation}]")
+        return Verdict(result.passed, code, float(result.passed), f"{result.summary()} [{result.isolation}]",
+                       sandbox=result.isolation)
 
 
 def _references(example: Example) -> list[str]:

@@ -36,6 +36,7 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   steps only), compressions, compress_seconds, seconds
   finish_reason                  "eos" | "length" | "stop"
   layer_kv_tokens                entries each layer held at the end (differ per layer under LaProx / PyramidKV)
+  sandbox                        code tasks: the isolation level that ran the program ("namespaces" | "unsafe-basic")
   budget                         the KV budget this request ran under (null for a policy that keeps everything)
   session, finished_at           unix time the generating process started generating / this record finished
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
@@ -50,6 +51,7 @@ summary.json — over all records in the directory:
   mean_compressions, finish_reasons {reason: count}
   tokens_per_second              generated tokens / generation wall time, summed over sessions
   by                             {meta key: {value: accuracy}} for length and depth, when examples have them
+  sandbox                        code tasks: the isolation level of the records (a list if they differ)
   dataset, model, policy, budget, budget_ratio
 """
 
@@ -71,12 +73,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from skipkv.config import EngineConfig, SamplingParams
+from skipkv.config import EngineConfig, SamplingParams, check_fields, knob
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
 from skipkv.eval.datasets import Dataset, Example, data_request, get_dataset
 from skipkv.eval.graders import GRADERS, Grader
 from skipkv.eval.records import RecordStore
+from skipkv.outputs import check_dir, made_dir, write_atomic
 
 CONFIG_FILE, RECORDS_FILE, SUMMARY_FILE, LOCK_FILE = "config.json", "records.jsonl", "summary.json", ".lock"
 IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy", "budget_mode", "budget_ratio",
@@ -85,7 +88,7 @@ CORE_RECORD_KEYS = frozenset({
     "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
     "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
     "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at",
-    "layer_kv_tokens"})
+    "layer_kv_tokens", "sandbox"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1
 
@@ -101,31 +104,68 @@ def _load_model_default(name: str) -> Any:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """One evaluation run. Defaults come from SamplingParams, EngineConfig, load_model and the dataset class."""
+    """One evaluation run. Defaults come from SamplingParams, EngineConfig, load_model and the dataset class.
+
+    Every field is checked when the config is built (`check_fields` plus the cross-field rules in
+    `__post_init__`), so a bad value fails before a model loads or a file is written; sweeps build one per
+    cell when the sweep file is read.
+    """
 
     model: str
     dataset: str
     policy: str
     out: str
     policy_knobs: Mapping[str, Any] = field(default_factory=dict)  # window, sink, interval, phase, own knobs
-    budget: int | None = None  # tokens; or give budget_ratio
-    budget_ratio: float | None = None
+    budget: int | None = knob(None, "tokens; or give budget_ratio", kind=int, gt=0)
+    budget_ratio: float | None = knob(None, "budget as a fraction", kind=float, gt=0.0, le=1.0)
     reference: str | None = None  # run dir of a full-cache run: budget = ratio x its mean generated tokens
     dataset_options: Mapping[str, Any] = field(default_factory=dict)  # source, data, lengths, depths, per_length, seed
-    limit: int | None = None  # first N examples
-    samples: int = 1  # samples per example (pass@1 is averaged over them)
-    temperature: float = _SAMPLING.temperature
-    top_p: float = _SAMPLING.top_p
+    limit: int | None = knob(None, "first N examples", kind=int, gt=0)
+    samples: int = knob(1, "samples per example (pass@1 is averaged over them)", gt=0)
+    temperature: float = _SAMPLING.temperature  # these five and the engine's two are checked by their own
+    top_p: float = _SAMPLING.top_p               # dataclasses (SamplingParams, EngineConfig) in __post_init__
     top_k: int = _SAMPLING.top_k
     seed: int = _SAMPLING.seed
-    max_new_tokens: int | None = None  # None: the dataset's default
+    max_new_tokens: int | None = knob(None, "None: the dataset's default", kind=int, gt=0)
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
-    prompt_style: str = "chat"
+    prompt_style: str = knob("chat", "chat template or raw text", choices=prompts.STYLES)
     dtype: str = field(default_factory=lambda: _load_model_default("dtype"))
     device: str = field(default_factory=lambda: _load_model_default("device"))
     grader_options: Mapping[str, Any] = field(default_factory=dict)  # fields of the dataset's grader, e.g. timeout_s
     quiet: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("model", "dataset", "policy", "dtype", "device"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise SkipKVError(f"eval {name} must be a non-empty string, got {value!r}")
+        if self.reference is not None and not isinstance(self.reference, str):
+            raise SkipKVError(f"eval reference must be a path, got {self.reference!r}")
+        for name in ("policy_knobs", "dataset_options", "grader_options"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise SkipKVError(f"eval {name} must be a mapping, got {getattr(self, name)!r}")
+        check_fields(self, "eval")
+        # The sampling and engine knobs are validated by the dataclasses that own their constraints.
+        SamplingParams(max_new_tokens=self.max_new_tokens or 1, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, seed=self.seed)
+        EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk)
+        if self.samples > 1 and self.temperature == 0:
+            raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
+        if self.budget is not None and self.budget_ratio is not None:
+            raise SkipKVError("give either --budget or --budget-ratio, not both")
+        if "budget" in self.policy_knobs and (self.budget is not None or self.budget_ratio is not None):
+            raise SkipKVError("the budget is given twice (policy knobs and budget/budget_ratio)")
+        if self.reference is not None and self.budget_ratio is None:
+            raise SkipKVError("--reference is only used with --budget-ratio")
+        from skipkv.models import check_device, resolve_dtype
+
+        resolve_dtype(self.dtype)
+        check_device(self.device)
+        check_dir(self.out, "--out")
+        # The policy and its knobs. A ratio's budget is only known later (from the reference run or each
+        # prompt's length); a large one stands in, so rules like budget > window do not refuse a valid setup.
+        _make_policy(self, self.budget if self.budget_ratio is None else 1 << 20)
 
 
 def sample_seed(seed: int, example_id: str, sample: int) -> int:
@@ -135,26 +175,6 @@ def sample_seed(seed: int, example_id: str, sample: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------- config
-def _validate(cfg: EvalConfig) -> None:
-    prompts.check_style(cfg.prompt_style)
-    if cfg.samples <= 0:
-        raise SkipKVError(f"samples must be positive, got {cfg.samples}")
-    if cfg.samples > 1 and cfg.temperature == 0:
-        raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
-    if cfg.limit is not None and cfg.limit <= 0:
-        raise SkipKVError(f"limit must be positive, got {cfg.limit}")
-    if cfg.budget is not None and cfg.budget_ratio is not None:
-        raise SkipKVError("give either --budget or --budget-ratio, not both")
-    if "budget" in cfg.policy_knobs and (cfg.budget is not None or cfg.budget_ratio is not None):
-        raise SkipKVError("the budget is given twice (policy knobs and budget/budget_ratio)")
-    if cfg.budget_ratio is not None and not 0 < cfg.budget_ratio <= 1:
-        raise SkipKVError(f"budget ratio must be in (0, 1], got {cfg.budget_ratio}")
-    if cfg.reference is not None and cfg.budget_ratio is None:
-        raise SkipKVError("--reference is only used with --budget-ratio")
-    if cfg.max_new_tokens is not None and cfg.max_new_tokens <= 0:
-        raise SkipKVError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
-
-
 def _read_reference(cfg: EvalConfig) -> float:
     """Mean generated tokens of the full-cache reference run, checked to be the same model and dataset."""
     from skipkv.policies import POLICIES
@@ -284,30 +304,46 @@ def _check_or_write_config(out: Path, config: dict[str, Any]) -> None:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
             raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
         return
-    if (out / RECORDS_FILE).exists():
-        raise SkipKVError(f"{out} has records but no config.json; use another --out")
     _write_json(path, config)
+
+
+def _check_run_dir(path: str) -> Path:
+    """The run directory: a usable folder that is a run of ours, or holds none of our files yet (so a run
+    never overwrites a records.jsonl or summary.json it did not write)."""
+    out = check_dir(path, "--out")
+    if out.is_dir() and not (out / CONFIG_FILE).exists():
+        theirs = [name for name in (RECORDS_FILE, SUMMARY_FILE) if (out / name).exists()]
+        if theirs:
+            raise SkipKVError(f"{out} has {theirs[0]} but no config.json (not a run dir of skipkv eval); "
+                              "use another --out")
+    return out
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Atomic: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 @contextlib.contextmanager
 def _locked(out: Path) -> Iterator[None]:
-    with open(out / LOCK_FILE, "w") as lock:
+    """Hold the run dir's lock; a run refused before it wrote config.json also removes the lock file."""
+    path = out / LOCK_FILE
+    with open(path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise SkipKVError(f"another skipkv eval is writing to {out}") from None
-        yield
+        # A refused run unlinks the lock file: a process that opened it just before holds a lock on a
+        # file no longer there, so the lock only counts if the path still names the file we locked.
+        if not path.exists() or os.stat(path).st_ino != os.fstat(lock.fileno()).st_ino:
+            raise SkipKVError(f"another skipkv eval is writing to {out}")
+        try:
+            yield
+        except BaseException:
+            if not (out / CONFIG_FILE).exists():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
 
 
 def _check_lengths(cfg: EvalConfig, dataset: Dataset, options: dict[str, Any], max_context: int,
@@ -382,19 +418,19 @@ class _Job:
 
 def run_eval(cfg: EvalConfig) -> Path:
     """Run (or resume) one evaluation into cfg.out; returns the run directory. See the module docstring."""
-    from skipkv.engine import generate
+    from skipkv.engine import check_fits, generate
     from skipkv.models import load_model
 
-    _validate(cfg)
     dataset = get_dataset(cfg.dataset)
     grader = _make_grader(cfg, dataset)
     mode, fixed_budget, ref_mean = _budget_plan(cfg, dataset)
     policy = _make_policy(cfg, fixed_budget)  # validates the knobs before a model is loaded
+    grader.ready()  # e.g. the code sandbox's isolation: unavailable -> a one-line error before any output
     max_new = cfg.max_new_tokens or dataset.max_new_tokens
     stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with _locked(out):
+    out = _check_run_dir(cfg.out)
+    # A run refused from here on (model, lengths, prompt sizes) removes the folders it created and its lock.
+    with made_dir(out) as created, _locked(out):
         bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
         request = data_request(options, bundle.tokenizer, cfg.prompt_style)
@@ -406,9 +442,7 @@ def run_eval(cfg: EvalConfig) -> Path:
         for ex in examples:
             text = prompts.render(bundle.tokenizer, ex, cfg.prompt_style)
             ids = prompts.encode(bundle.tokenizer, text, cfg.prompt_style)
-            if len(ids) + max_new > bundle.max_context:
-                raise SkipKVError(f"example {ex.id}: {len(ids)} prompt tokens + max_new_tokens {max_new} exceed the "
-                                  f"model's context of {bundle.max_context}; lower --max-new-tokens")
+            check_fits(f"example {ex.id}", len(ids), max_new, bundle.max_context)
             rendered[ex.id] = (text, ids)
         policy_record = {"name": cfg.policy, **dataclasses.asdict(policy)}
         if mode == "prompt_length" or not policy.compresses:
@@ -431,6 +465,7 @@ def run_eval(cfg: EvalConfig) -> Path:
             "environment": _environment(), "config_version": CONFIG_VERSION,
         })
         _check_or_write_config(out, config)
+        created.clear()  # the folder now holds a run: keep it whatever happens next
 
         store = RecordStore(out / RECORDS_FILE)
         done = store.keys()
@@ -448,6 +483,9 @@ def run_eval(cfg: EvalConfig) -> Path:
         summary.update(complete=all((ex.id, s) in store.keys() for ex in examples for s in range(cfg.samples)),
                        dataset=cfg.dataset, model=cfg.model, policy=cfg.policy, budget=policy_record["budget"],
                        budget_ratio=cfg.budget_ratio)
+        levels = sorted({str(r["sandbox"]) for r in store.records() if "sandbox" in r})
+        if levels:
+            summary["sandbox"] = levels[0] if len(levels) == 1 else levels
         _write_json(out / SUMMARY_FILE, summary)
     return out
 
@@ -491,6 +529,8 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                 clash = CORE_RECORD_KEYS & set(job.example.meta)
                 if clash:
                     raise SkipKVError(f"example meta key {sorted(clash)[0]!r} clashes with a record field")
+                if verdict.sandbox is not None:
+                    record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
                 record.update(job.example.meta)
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1

@@ -4,27 +4,34 @@
     Sandbox().run("assert 1 + 1 == 2").passed        # True
     python -m skipkv.eval.sandbox                     # prints the isolation available on this machine
 
-Generated code is untrusted. Every run gets a fresh throwaway directory, a clean environment
-(no variable of the parent survives; PATH is minimal), a wall-clock timeout and resource limits
-(CPU seconds, address space, file size, process count, no core dumps) set with `setrlimit` in the
-child before exec. Two isolation levels:
+Generated code is untrusted. Every run gets a clean environment (no variable of the parent survives;
+PATH is minimal), a wall-clock timeout and resource limits (CPU seconds, address space, file size, process
+count, no core dumps) set with `setrlimit` in the child before exec. Two levels; there is no fallback
+from one to the other: the level asked for runs, or the run stops with a SkipKVError.
 
-- `namespaces` (Linux, root, `unshare` and `setpriv` present; probed by actually running code):
-  new network namespace (no interfaces but a down loopback: nothing is reachable), new mount namespace
-  in which every mount is remounted read-only except the throwaway directory, new PID namespace with
-  its own /proc (the parent's processes and their environments are invisible; when the sandbox's
-  init dies the kernel kills everything left in it, which ends fork bombs), and the code runs under an
-  unprivileged uid of its own, drawn at random per run from a range no account uses: RLIMIT_NPROC
-  (which root would bypass) then counts only this run's processes, so concurrent sandboxes, say two
-  test runs at once, cannot exhaust each other's process allowance.
-- `basic` (anything else): the same limits and clean environment, plus a Python audit hook installed
-  before the code runs that refuses sockets, subprocesses, forks, ctypes and writes outside the
-  throwaway directory. Native code could get past an audit hook; this level is best effort and the
-  result records which level graded it.
+- `namespaces` (the default; Linux, root, `unshare`, `setpriv`, `pivot_root`; probed once by running code):
+  new network namespace (no interfaces but a down loopback: no host, no abstract Unix socket is
+  reachable), new PID namespace with its own /proc (the parent's processes and their environments are
+  invisible, and when the program exits its shell, the namespace's init, exits and the kernel kills
+  everything left in it, so no background process outlives a run), and a private mount namespace whose root is a fresh tmpfs of
+  `disk_bytes` (the only writable area, so a disk fill stops there) holding read-only binds of only what
+  Python needs (/usr and the Python install, a few /dev nodes) plus /work and /tmp: no host path, no host
+  Unix socket, no /root, /home or /tmp of the host exists in it. The code runs under an unprivileged uid
+  drawn at random per run from a range no account uses (RLIMIT_NPROC then counts this run's processes
+  only). The sandbox's first process gets PR_SET_PDEATHSIG=SIGKILL and `unshare --kill-child`, so when the
+  caller dies, even by `kill -9`, the namespace's init dies and the kernel ends every process in it.
+- `unsafe-basic` (only when asked for by name): the same limits and clean environment and a Python audit
+  hook that refuses sockets, subprocesses, forks, ctypes and writes outside a throwaway directory. Plain
+  Python gets past an audit hook (e.g. through file descriptors the hook does not see), so this level is
+  not a security boundary; `skipkv eval` uses it only with `--sandbox unsafe-basic`.
+
+Every result records the level that ran it (`SandboxResult.isolation`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import os
 import resource
 import secrets
@@ -37,25 +44,56 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from skipkv.config import check_fields, knob
 from skipkv.errors import SkipKVError
 
+ISOLATION_LEVELS = ("namespaces", "unsafe-basic")
 UID_RANGE = (1_000_000_000, 2_000_000_000)  # per-run uids/gids under `namespaces`; no account lives there
 MIN_PATH = "/usr/bin:/bin"
+PROBE_TIMEOUT_S = 20.0  # the start-up probe's own limit: a tiny per-program timeout must not fail the probe
+PR_SET_PDEATHSIG = 1
 
-# Runs as root inside the new namespaces, then drops to the run's uid ($2) and execs Python.
-# Every mount becomes a read-only bind except the work dir ($1), which gets its own writable bind.
+# Runs as root inside the new namespaces, as the PID namespace's init: builds the new root on a
+# size-capped tmpfs, pivots into it, drops the host's tree, then runs Python under the run's uid.
+# $1 host dir holding prog.py, $2 empty host dir for the new root, $3 uid, $4 tmpfs size, $5 inodes,
+# $6... read-only folders to bind at the same path (the Python install); then "--" and the command.
 _NS_SETUP = r"""
 set -e
-w="$1"; id="$2"; shift 2
+path0="$PATH"; PATH="/usr/sbin:/sbin:$PATH"  # mount tools; the program gets the minimal PATH back
+src="$1"; r="$2"; id="$3"; size="$4"; inodes="$5"; shift 5
 mount --make-rprivate /
-mount --bind "$w" "$w"
-for m in $(awk '{print $2}' /proc/self/mounts); do mount -o remount,bind,ro "$m" 2>/dev/null || true; done
-mount -o remount,bind,rw "$w"
-cd "$w"
-exec setpriv --reuid="$id" --regid="$id" --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
+mount -t tmpfs -o "size=$size,nr_inodes=$inodes,mode=755,nosuid,nodev" sandbox "$r"
+robind() {  # robind HOST_PATH: a read-only bind of a host folder at the same path in the new root
+  [ -d "$1" ] || return 0
+  mkdir -p "$r$1"
+  mount --rbind "$1" "$r$1"
+  mount -o remount,bind,ro,nosuid,nodev "$r$1"
+}
+for d in usr bin sbin lib lib32 lib64 libx32; do
+  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$r/$d"; elif [ -d "/$d" ]; then robind "/$d"; fi
+done
+while [ "$1" != "--" ]; do robind "$1"; shift; done
+shift
+mkdir -p "$r/etc" "$r/dev" "$r/proc" "$r/work" "$r/tmp"
+[ -f /etc/ld.so.cache ] && cp /etc/ld.so.cache "$r/etc/"
+for n in null zero random urandom; do touch "$r/dev/$n"; mount --bind "/dev/$n" "$r/dev/$n"; done
+mount -t proc -o nosuid,nodev,noexec proc "$r/proc"
+cp "$src/prog.py" "$r/work/prog.py"
+chown -R "$id:$id" "$r/work" "$r/tmp"
+chmod 700 "$r/work"; chmod 1777 "$r/tmp"
+cd "$r"; mkdir .host; pivot_root . .host; umount -l /.host; rmdir /.host
+cd /work
+PATH="$path0"
+# Not `exec`: this shell stays the namespace's init, as root, so the parent-death signal that
+# `unshare --kill-child` gave it survives (a uid change, as in setpriv, would clear it). When the
+# caller dies, unshare dies (PR_SET_PDEATHSIG), this init dies, and the kernel kills the namespace.
+set +e
+setpriv --reuid="$id" --regid="$id" --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
+status=$?
+exit $status
 """
 
-# Under `basic`, this runs before the untrusted program (same process) and refuses what the OS
+# Under `unsafe-basic`, this runs before the untrusted program (same process) and refuses what the OS
 # would otherwise allow. Audit hooks cannot be removed once added.
 _GUARD = r'''
 import os, sys
@@ -106,11 +144,16 @@ exec(_code, {"__name__": "__main__", "__file__": _prog})
 class SandboxLimits:
     """Per-run limits. Memory is address space (RLIMIT_AS), so it bounds allocations, not RSS."""
 
-    timeout_s: float = 10.0
-    memory_bytes: int = 1 << 30
-    file_bytes: int = 16 << 20
-    processes: int = 32
-    output_bytes: int = 4096  # tail of stdout/stderr kept in the result
+    timeout_s: float = knob(10.0, "wall-clock seconds per program", gt=0.0, le=86400.0)
+    memory_bytes: int = knob(1 << 30, "address space of the program", ge=16 << 20)
+    file_bytes: int = knob(16 << 20, "largest file the program may write", gt=0)
+    disk_bytes: int = knob(64 << 20, "size of the writable tmpfs (namespaces): all files together", ge=1 << 20)
+    disk_inodes: int = knob(4096, "files and folders the program may create (namespaces)", ge=64)
+    processes: int = knob(32, "processes of the run's uid", gt=0)
+    output_bytes: int = knob(4096, "tail of stdout/stderr kept in the result", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "sandbox")
 
 
 @dataclass(frozen=True)
@@ -135,11 +178,23 @@ class SandboxResult:
         return f"{self.status}: {tail[0][:200]}" if tail[0] else self.status
 
 
-def _limits_preexec(limits: SandboxLimits):
+def _die_with_parent(parent: int) -> None:
+    """PR_SET_PDEATHSIG=SIGKILL for this (child) process; if the parent already died, exit at once."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(127)
+    if os.getppid() != parent:  # the parent died between fork and prctl: nobody would kill us later
+        os._exit(127)
+
+
+def _limits_preexec(limits: SandboxLimits, die_with_parent: bool):
     cpu = int(limits.timeout_s) + 1
+    parent = os.getpid()
 
     def apply() -> None:
         # Runs in the child between fork and exec: these limits are inherited by everything it starts.
+        if die_with_parent:
+            _die_with_parent(parent)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
@@ -156,82 +211,105 @@ def _tail(path: Path, num_bytes: int) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
+def _python_dirs(python: str) -> list[str]:
+    """The host folders an interpreter needs, bound read-only into the new root (outside /usr)."""
+    real = os.path.realpath(python)
+    dirs = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), os.path.dirname(real),
+            os.path.dirname(os.path.abspath(python))}
+    usr = ("/usr/", "/bin/", "/lib/", "/lib64/", "/sbin/")
+    dirs = {d for d in dirs if not (d + "/").startswith(usr) and d not in ("/", "")}
+    return sorted(d for d in dirs if not any(d.startswith(o + "/") for o in dirs))  # a parent's bind covers it
+
+
 class Sandbox:
     """Runs one Python program per call; see the module docstring for what is contained and how.
 
-    isolation: "auto" (namespaces when they work here, else basic), "namespaces" (error if unavailable)
-    or "basic". python: the interpreter the code runs under (default: this one).
+    isolation: "namespaces" (default; a SkipKVError if this machine cannot provide it) or "unsafe-basic"
+    (only an audit hook; never chosen automatically). python: the interpreter the code runs under.
     """
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), isolation: str = "auto",
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), isolation: str = "namespaces",
                  python: str | None = None) -> None:
-        if isolation not in ("auto", "namespaces", "basic"):
-            raise SkipKVError(f"unknown sandbox isolation {isolation!r}; choose auto, namespaces or basic")
+        if isolation not in ISOLATION_LEVELS:
+            raise SkipKVError(f"unknown sandbox isolation {isolation!r}; choose one of: {', '.join(ISOLATION_LEVELS)}")
         self.limits = limits
         self.python = python or sys.executable
         self._requested = isolation
-        self._isolation: str | None = None if isolation != "basic" else "basic"
+        self._checked = isolation != "namespaces"
 
     @property
     def isolation(self) -> str:
-        """The level in use, probed once per instance by running a trivial program."""
-        if self._isolation is None:
-            works = self._namespaces_work()
-            if self._requested == "namespaces" and not works:
-                raise SkipKVError("sandbox isolation 'namespaces' needs Linux, root, unshare and setpriv")
-            self._isolation = "namespaces" if works else "basic"
-        return self._isolation
+        """The level in use: the one asked for, checked once per instance (namespaces: by running a program)."""
+        if not self._checked:
+            why = self._namespaces_unavailable()
+            if why:
+                raise SkipKVError(f"sandbox isolation 'namespaces' is unavailable here ({why}); generated code is "
+                                  "not run without it unless you ask for --sandbox unsafe-basic")
+            self._checked = True
+        return self._requested
 
-    def _namespaces_work(self) -> bool:
+    def _namespaces_unavailable(self) -> str | None:
         if sys.platform != "linux" or os.geteuid() != 0:
-            return False
-        if not (shutil.which("unshare") and shutil.which("setpriv") and shutil.which("mount")):
-            return False
-        probe = self._run("import os\nprint(os.getuid())\n", "namespaces")
-        return probe.passed and probe.stdout.strip() == str(probe.uid)
+            return "needs Linux and root"
+        missing = [t for t in ("unshare", "setpriv", "mount", "umount", "pivot_root") if not shutil.which(t)]
+        if missing:
+            return f"{', '.join(missing)} not found"
+        probe_limits = dataclasses.replace(self.limits, timeout_s=max(self.limits.timeout_s, PROBE_TIMEOUT_S))
+        probe = self._run("import os\nprint(os.getuid())\n", "namespaces", probe_limits)
+        if not (probe.passed and probe.stdout.strip() == str(probe.uid)):
+            last = (probe.stderr.strip().splitlines() or [probe.status])[-1][:160]
+            return f"the start-up probe {probe.status}: {last}"
+        return None
 
     def run(self, code: str) -> SandboxResult:
         """Execute `code` as a program in a fresh work dir; exit status 0 means passed."""
-        return self._run(code, self.isolation)
+        return self._run(code, self.isolation, self.limits)
 
-    def _command(self, isolation: str, workdir: Path, uid: int | None) -> list[str]:
+    def _command(self, isolation: str, workdir: Path, root: Path, uid: int | None, limits: SandboxLimits) -> list[str]:
         if isolation == "namespaces":
-            return ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                    "--mount-proc", "--", "sh", "-c", _NS_SETUP, "sandbox", str(workdir), str(uid),
-                    self.python, "-I", "-B", "prog.py"]
+            return ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
+                    "sh", "-c", _NS_SETUP, "sandbox", str(workdir), str(root), str(uid), str(limits.disk_bytes),
+                    str(limits.disk_inodes), *_python_dirs(self.python), "--", self.python, "-I", "-B", "prog.py"]
         (workdir / "_guard.py").write_text(_GUARD, encoding="utf-8")
         return [self.python, "-I", "-B", "_guard.py"]
 
-    def _run(self, code: str, isolation: str) -> SandboxResult:
+    def _run(self, code: str, isolation: str, limits: SandboxLimits) -> SandboxResult:
         logs = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-logs-"))  # parent-owned, outside the work dir
         workdir = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-"))
+        root = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-root-"))  # stays empty on the host side
         try:
             (workdir / "prog.py").write_text(code, encoding="utf-8")
             uid = None
             if isolation == "namespaces":
                 uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
-                os.chown(workdir, uid, uid)
-                os.chown(workdir / "prog.py", uid, uid)
-            env = {"PATH": MIN_PATH, "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8"}
+                home = "/work"
+            else:
+                home = str(workdir)
+            env = {"PATH": MIN_PATH, "HOME": home, "TMPDIR": "/tmp" if uid is not None else home, "LANG": "C.UTF-8"}
             start = time.perf_counter()
             with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err:
-                proc = subprocess.Popen(self._command(isolation, workdir, uid), cwd=workdir, env=env,
+                proc = subprocess.Popen(self._command(isolation, workdir, root, uid, limits), cwd=workdir, env=env,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        preexec_fn=_limits_preexec(self.limits), start_new_session=True)
+                                        preexec_fn=_limits_preexec(limits, isolation == "namespaces"),
+                                        start_new_session=True)
                 try:
-                    returncode: int | None = proc.wait(timeout=self.limits.timeout_s)
+                    returncode: int | None = proc.wait(timeout=limits.timeout_s)
                     status = "passed" if returncode == 0 else "failed"
                 except subprocess.TimeoutExpired:
                     # The whole session goes; under namespaces, killing the PID namespace's parent
                     # (--kill-child) takes every process inside with it, including ones that called setsid.
                     _kill_group(proc)
                     returncode, status = None, "timeout"
+                except BaseException:
+                    _kill_group(proc)  # e.g. KeyboardInterrupt in the caller: the program does not outlive it
+                    raise
             seconds = time.perf_counter() - start
-            return SandboxResult(status, returncode, _tail(logs / "out", self.limits.output_bytes),
-                                 _tail(logs / "err", self.limits.output_bytes), seconds, isolation, uid)
+            return SandboxResult(status, returncode, _tail(logs / "out", limits.output_bytes),
+                                 _tail(logs / "err", limits.output_bytes), seconds, isolation, uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(logs, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -244,5 +322,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 if __name__ == "__main__":
     box = Sandbox()
-    print(f"isolation: {box.isolation}")
+    try:
+        print(f"isolation: {box.isolation}")
+    except SkipKVError as exc:
+        sys.exit(f"isolation: none ({exc})")
     print(box.run("print('hello from the sandbox')"))

@@ -7,9 +7,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -73,11 +77,77 @@ def check_attention_layout(config, name: str) -> None:
     if sliding and window is not None and window < int(getattr(config, "max_position_embeddings", 1 << 30)):
         raise SkipKVError(f"model {name!r} has sliding-window attention (window {window}) in layers "
                           f"{', '.join(map(str, sliding))}, which skipkv does not support")
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` parsed and usable in this torch build (a CPU build has no cuda:N), else a one-line error."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SkipKVError(f"unknown device {device!r}; e.g. cpu, cuda, cuda:0") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":  # shapes only, no data: nothing could be generated on it
+        raise SkipKVError("device 'meta' holds no weights; use cpu or cuda")
+    try:
+        torch.empty(0, device=dev)  # the one test every backend answers the same way
+    except (RuntimeError, AssertionError, ValueError) as exc:  # torch raises AssertionError for a CPU build
+        raise SkipKVError(f"device {device!r} is not available here ({str(exc).splitlines()[0][:120]})") from None
+    return dev
+
+
+# Hub ids are "name" or "org/name"; anything else that does not exist on disk is a missing local path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's host answers on its port; without it, transformers retries for ~30 s per file."""
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _check_weights(source: Path, gguf_file: str | None) -> None:
+    """Open the header of every weight file before transformers does, so a truncated, half-written or
+    corrupt file is reported by name rather than as a parser traceback."""
+    if gguf_file is not None:
+        from gguf import GGUFReader
+
+        path = source / gguf_file
+        try:
+            GGUFReader(path)
+        except Exception as exc:  # the GGUF parser's failures (struct.error, ValueError, ...) are not enumerable
+            raise SkipKVError(f"{path} is not a valid GGUF file (truncated or corrupt: {str(exc).splitlines()[0][:120]})") from None
+        return
+    if not source.is_dir():
+        return
+    index = source / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise SkipKVError(f"{index} is not a valid safetensors index") from None
+        missing = sorted(s for s in shards if not (source / s).is_file())
+        if missing:
+            raise SkipKVError(f"{source / missing[0]} is missing (listed in {index.name}); the download is incomplete")
+    from safetensors import safe_open
+
+    for path in sorted(source.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except Exception as exc:  # SafetensorError is not importable under a stable name across versions
+            raise SkipKVError(f"{path} is not a complete safetensors file ({str(exc).splitlines()[0][:120]})") from None
 
 
 def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu", seed: int = 0) -> ModelBundle:
     """Load `name` (see module docstring) for inference, in eval mode, on `device`."""
     torch_dtype = resolve_dtype(dtype)
+    check_device(device)
+    if not isinstance(name, str) or not name.strip():
+        raise SkipKVError(f"model must be a non-empty name or path, got {name!r}")
     if name.startswith("random:"):
         from skipkv.models.random import build_random
 
@@ -90,26 +160,45 @@ def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu"
     from skipkv.models.recipes import RECIPES
 
     kwargs: dict = {}
-    path = Path(name)
+    path = Path(name).expanduser()
     if name in RECIPES:
         folder = RECIPES[name].folder()
         if not (folder / "config.json").exists():
             raise SkipKVError(f"model {name!r} is not pulled yet; run: skipkv models pull {name}")
         source = str(folder)
+        _check_weights(folder, None)
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise SkipKVError(f"GGUF file not found: {name}")
         source, kwargs = str(path.parent), {"gguf_file": path.name}
+        _check_weights(path.parent, path.name)
+    elif path.exists():
+        if not path.is_dir():
+            raise SkipKVError(f"model path {name} is a file; give a model folder or a .gguf file")
+        if not (path / "config.json").is_file():
+            raise SkipKVError(f"model folder {name} has no config.json")
+        source = str(path)
+        _check_weights(path, None)
+    elif not _HUB_ID.match(name):
+        raise SkipKVError(f"model path not found: {name}")
     else:
         source = name
-        if not path.exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise SkipKVError(f"model {name!r} is neither a local folder nor a pulled model, and the hub is offline")
+        # Offline (declared, or the hub does not answer): only the local hub cache is tried, and a miss is
+        # one line at once instead of half a minute of retries and warnings.
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not _hub_reachable():
+            kwargs["local_files_only"] = True
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
+        if kwargs.get("local_files_only"):
+            raise SkipKVError(f"model {name!r} is not a local folder, a pulled model or in the hub cache, and the "
+                              "hub cannot be reached (offline)") from None
         raise SkipKVError(f"cannot load model {name!r}: {str(exc).splitlines()[0]}") from None
     family = _check_family(config.model_type, name)
     check_attention_layout(config, name)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise SkipKVError(f"cannot load model {name!r}: {str(exc).splitlines()[0][:200]}") from None
     return ModelBundle(model.to(device).eval(), tokenizer, name, family)

@@ -81,14 +81,16 @@ class Policy:
         return self.window
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Slot entries one request may need at once."""
+        """Slot entries one request may need at once: never more than it can ever hold (prompt + generation),
+        so a budget or interval far beyond the request's length allocates nothing for it."""
+        whole = prompt_len + max_new_tokens
         if not self.compresses:
-            return prompt_len + max_new_tokens
+            return whole
         if self.phase == "prefill":  # compress the prompt once, then grow freely
             return min(prompt_len, self.budget) + max_new_tokens
         if self.phase == "decode":  # the prompt stays whole until the first decode-time compression
-            return max(self.budget + self.interval, prompt_len + 1)
-        return self.budget + self.interval
+            return min(max(self.budget + self.interval, prompt_len + 1), whole)
+        return min(self.budget + self.interval, whole)
 
     def should_compress(self, length: int, is_prefill: bool) -> bool:
         """Compress a request that holds `length` entries now? (after prefill, or after a decode step)"""
@@ -124,5 +126,5 @@ class Policy:
         """(name, type, default, help) for every field: what the CLI and configs build flags from."""
         out = []
         for f in fields(cls):
-            out.append((f.name, f.metadata.get("type", type(f.default)), f.default, f.metadata.get("help", "")))
+            out.append((f.name, f.metadata.get("kind", type(f.default)), f.default, f.metadata.get("help", "")))
         return out

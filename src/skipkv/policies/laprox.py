@@ -152,7 +152,7 @@ class _PromptState:
 @dataclass(frozen=True)
 class LaProx(Policy):
     budget_ratio: float | None = knob(None, "model-wide budget as a fraction of the prompt (per layer on "
-                                      "average); overrides budget", gt=0.0, le=1.0, type=float)
+                                      "average); overrides budget", gt=0.0, le=1.0, kind=float)
     prefill_window: int = knob(32, "prompt queries that score the prompt (the newest, kept in every layer)", gt=0)
     norm: str = knob("sum", "norm of the window-summed output (sum) or per-query exact (frobenius)", choices=NORMS)
     normalize: str = knob("zscore", "per-layer normalisation before the model-wide top-k", choices=NORMALIZATIONS)

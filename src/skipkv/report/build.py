@@ -15,6 +15,7 @@ from typing import Literal
 from rich.console import Console
 
 from skipkv.errors import SkipKVError
+from skipkv.outputs import check_dir, write_atomic
 from skipkv.report import FORMATS
 from skipkv.report.aggregate import Section, aggregate
 from skipkv.report.plots import Plot, plot_section, slug
@@ -68,6 +69,8 @@ def render_markdown(runs: list[Run], sections: list[Section], plots: dict[str, l
 def build_report(paths: list[Path], out_dir: Path | None, fmt: Format = "both",
                  console: Console | None = None) -> Report:
     """Load the runs at or below `paths`, print and/or write the report. `out_dir` is needed unless terminal-only."""
+    if fmt in ("md", "both") and out_dir is not None:
+        out_dir = check_dir(out_dir, "report --out")  # before any run is read: a bad --out fails at once
     runs = load_runs(paths)
     sections = aggregate(runs)
     plots: dict[str, list[Plot]] = {}
@@ -85,7 +88,7 @@ def build_report(paths: list[Path], out_dir: Path | None, fmt: Format = "both",
         for section in sections:
             plots[section_title(section)] = plot_section(section, out_dir, _prefix(section, sections))
         md_path = out_dir / REPORT_FILE
-        md_path.write_text(render_markdown(runs, sections, plots, out_dir), encoding="utf-8")
+        write_atomic(md_path, render_markdown(runs, sections, plots, out_dir))
         if console is not None:
             console.print(f"wrote {md_path} and {sum(len(p) for p in plots.values())} plots", highlight=False)
     return Report(runs, sections, [p for ps in plots.values() for p in ps], md_path)
