@@ -26,6 +26,7 @@ class RequestResult:
     compress_seconds: float
     seconds: float  # from admission to finish
     finish_reason: str  # "eos" | "length" | "stop"
+    trace: dict | None = None  # generate(..., trace=True): retention per compression (engine/trace.py)
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list
@@ -45,6 +46,7 @@ class Request:
     started: float = 0.0
     generator: torch.Generator | None = None
     state: object | None = None  # the policy's per-request state
+    trace: object | None = None  # RequestTrace, created at the first compression when tracing
 
     @property
     def prompt_len(self) -> int:

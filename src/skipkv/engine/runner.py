@@ -15,6 +15,7 @@ from skipkv.cache import KVStore, SlotCache
 from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
+from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.errors import SkipKVError
 from skipkv.policies.base import Observation, Policy
 
@@ -24,12 +25,13 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 class ModelRunner:
     def __init__(self, bundle, policy: Policy, num_slots: int, prefill_chunk: int = 0,
-                 steering: ResidualAdd | None = None) -> None:
+                 steering: ResidualAdd | None = None, trace: bool = False) -> None:
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.steering = steering
+        self.trace = trace  # record retention per compression (engine/trace.py); off: no recording code runs
         if policy.model_wide:
             # Compression groups rows by one length and scores layer by layer; a model-wide top-k (LaProx)
             # leaves layers at different lengths, which needs that grouping per layer first.
@@ -145,10 +147,28 @@ class ModelRunner:
                      for l in range(self.store.num_layers)]
             for l, keep in enumerate(keeps):
                 self.store.compact(l, slots, keep)
+            if self.trace:
+                self._record_trace(group)
         share = (time.perf_counter() - t0) / len(rows)
         for s in rows:
             self.running[s].compressions += 1
             self.running[s].compress_seconds += share
+
+    def _record_trace(self, slots: list[int]) -> None:
+        """Tracing only: note what each of `slots` holds right after its compression (before the count moves)."""
+        for s in slots:
+            r = self.running[s]
+            if r.trace is None:
+                r.trace = RequestTrace(self.store.num_layers, self.store.num_kv_heads,
+                                       r.prompt_len + r.sampling.max_new_tokens)
+            r.trace.record(self.store.pos[:, s], self.store.lengths[:, s], len(r.output_ids),
+                           self.policy.trace_state(r.state))
+
+    def trace_result(self, r: Request) -> dict:
+        """Tracing only: the finished request's JSON-able trace (token texts, compressions, final policy state)."""
+        t = r.trace or RequestTrace(self.store.num_layers, self.store.num_kv_heads, r.prompt_len + len(r.output_ids))
+        return t.to_json(token_texts(self.tokenizer, r.prompt_ids), token_texts(self.tokenizer, r.output_ids),
+                         self.policy.trace_state(r.state))
 
     def _observe(self, layer: int, slots: torch.Tensor, n: int, is_prefill: bool, states: list) -> Observation:
         queries = None

@@ -62,7 +62,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model=args.model, dataset=args.dataset, policy=args.policy, out=args.out, policy_knobs=knobs,
         dataset_options={k: v for k, v in data_options.items() if v is not None},
         grader_options={"timeout_s": args.code_timeout} if args.code_timeout is not None else {},
-        quiet=args.quiet, **{k: v for k, v in given.items() if v is not None},
+        quiet=args.quiet, trace=args.trace, **{k: v for k, v in given.items() if v is not None},
     )
     out = run_eval(cfg)
     s = json.loads((Path(out) / SUMMARY_FILE).read_text())
@@ -113,4 +113,6 @@ def register(sub) -> None:
     p.add_argument("--data-seed", type=int, help="seed of the long-context generators (default 0)")
     p.add_argument("--code-timeout", type=float, help="seconds per generated program (humaneval)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
+    p.add_argument("--trace", action="store_true", help="also record what each compression kept (traces.jsonl) "
+                   "for `skipkv show`; results are unchanged")
     p.set_defaults(func=cmd_eval)
