@@ -153,7 +153,7 @@ h1 small { font-weight: normal; color: #667; }
 #steplabel { font-variant-numeric: tabular-nums; min-width: 260px; }
 .legend { display: flex; flex-wrap: wrap; gap: 4px 18px; margin-top: 6px; font-size: 12.5px; color: #445; }
 .legend span.sw { display: inline-block; vertical-align: middle; margin-right: 5px; }
-.scale { width: 110px; height: 12px; background: linear-gradient(90deg, hsl(var(--held),85%,96%), hsl(var(--held),85%,58%)); border: 1px solid #bbc; }
+.scale { width: 110px; height: 12px; background: linear-gradient(90deg, hsl(var(--held),85%,95%), hsl(var(--held),85%,68%)); border: 1px solid #bbc; }
 main { display: grid; gap: 14px; padding: 14px 18px 40px; }
 .run { background: #fff; border: 1px solid #d8dce3; border-radius: 6px; padding: 10px 14px; min-width: 0; }
 .run h2 { font-size: 15px; margin: 0 0 2px; }
@@ -231,7 +231,7 @@ const runs = DATA.runs.map((r, ri) => {
   col.innerHTML = `<h2>${esc(r.label)}</h2><div class="meta">${esc(r.dir)} · ${esc(r.model)} · ` +
     `${st.generated_tokens} generated · ${st.compressions} compressions · peak KV ${st.peak_kv_tokens} tokens` +
     (verdict ? ` · ${verdict}` + (st.extracted != null ? ` (answer ${esc(String(st.extracted))})` : "") : "") +
-    `</div><div class="now"></div><details><summary>prompt (${r.prompt_len} tokens)</summary>` +
+    `</div><div class="now"></div><details><summary></summary>` +
     `<div class="text prompt"></div></details><div class="text output"></div>`;
   const spans = [];
   const boxes = [col.querySelector(".prompt"), col.querySelector(".output")];
@@ -245,7 +245,8 @@ const runs = DATA.runs.map((r, ri) => {
     spans.push(s);
   }
   document.getElementById("runs").appendChild(col);
-  return {r, T, LH, ev, col, spans, now: col.querySelector(".now"), step: -1, state: null};
+  return {r, T, LH, ev, col, spans, now: col.querySelector(".now"), summary: col.querySelector("summary"),
+          step: -1, state: null};
 });
 document.getElementById("runs").style.gridTemplateColumns = `repeat(${runs.length}, minmax(0, 1fr))`;
 document.getElementById("title").innerHTML = `${esc(DATA.id)}${DATA.sample ? " (sample " + DATA.sample + ")" : ""} ` +
@@ -276,14 +277,15 @@ function render(k) {  // k in 1..maxSteps: after compression k; maxSteps + 1: en
     const seen = c < 0 ? x.T : x.r.steps[c].seen;
     const state = x.r.states[c < 0 ? C : c];
     const sets = spanSets(state);
-    let total = 0;
+    let total = 0, promptHeld = 0;
     for (let p = 0; p < x.T; p++) {
       const s = x.spans[p], h = p < seen ? heldAfter(x, p, c) : 0;
       total += h;
+      if (p < x.r.prompt_len && h > 0) promptHeld++;
       s.className = "tok" + (p >= seen ? " fut" : h === 0 ? " gone" : "") +
         (sets.flag.has(p) ? " flag" : "") + (sets.fs.has(p) ? " fs" : "") + (sets.fe.has(p) ? " fe" : "") +
         (sets.chk.has(p) ? " chk" : "") + (sets.chkStart.has(p) ? " cs" : "");
-      s.style.background = p < seen && h > 0 ? `hsl(var(--held), 85%, ${96 - 38 * h / x.LH}%)` : "";
+      s.style.background = p < seen && h > 0 ? `hsl(var(--held), 85%, ${95 - 27 * h / x.LH}%)` : "";
     }
     const nflag = state && state.flagged ? state.flagged.length : 0;
     const nchk = state && state.sentences ? state.sentences.filter(s => s[2] === "check").length : 0;
@@ -291,6 +293,7 @@ function render(k) {  // k in 1..maxSteps: after compression k; maxSteps + 1: en
         `compression ${c + 1} of ${C}, at generated token ${x.r.steps[c].generated}: ${seen} positions seen`) +
       `; the cache holds ${(total / x.LH).toFixed(1)} per layer and head on average` +
       (state ? `; ${nflag} flagged, ${nchk} check sentences` : "");
+    x.summary.textContent = `prompt (${x.r.prompt_len} tokens; ${promptHeld} still held by some layer and head)`;
     x.step = c; x.sets = sets;
   }
 }
