@@ -216,8 +216,8 @@ def test_show_errors_are_one_line(runs, tmp_path, capsys) -> None:
     assert err.count("\n") == 1 and "has no traces" in err
 
 
-def _dom(page: Path, step: int | None = None) -> str:
-    url = page.resolve().as_uri() + (f"#step={step}" if step is not None else "")
+def _dom(page: Path, fragment: str = "") -> str:
+    url = page.resolve().as_uri() + (f"#{fragment}" if fragment else "")
     out = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -267,7 +267,7 @@ def test_page_renders_both_runs_tokens_and_flags(runs, tmp_path) -> None:
     assert "end of generation" in dom and "2 flagged" not in dom and "1 flagged, 1 check sentences" in dom
 
     # Replay: after compression 1, positions not yet fed are faint and grey means evicted by then.
-    dom = _dom(page, step=1)
+    dom = _dom(page, "step=1&tip=5")
     col = _columns(dom)[0]
     classes, t = _classes(col), trace["rkv"]
     seen, ev = t["compressions"][0]["seen"], decode_evicted(t)
@@ -275,3 +275,11 @@ def test_page_renders_both_runs_tokens_and_flags(runs, tmp_path) -> None:
     assert [i for i, c in enumerate(classes) if " gone" in c] == [
         q for q in range(seen) if ((ev[:, :, q] >= 0) & (ev[:, :, q] <= 0)).all()]
     assert "after compression 1 of" in dom
+    # The hover box pinned on position 5 (a prompt token) of the first run, at compression 1.
+    box = dom.split('<div id="tip"', 1)[1].split("</div>", 1)[0]
+    held = int(((ev[:, :, 5] < 0) | (ev[:, :, 5] > 0)).sum())
+    assert "position 5</b> (prompt token 5)" in box and f"held by {held} of 4 layer·heads" in box
+    evicted = sorted({int(e) for e in ev[:, :, 5].ravel() if e >= 0})
+    assert ("evicted: never" in box) == (not evicted)
+    for e in evicted:
+        assert f"at compression {e + 1}" in box

@@ -61,16 +61,17 @@ def _payload(tr: TracedRun, key: tuple[str, int]) -> dict[str, Any]:
     """What the page's script needs of one run for one example."""
     trace, record = tr.traces[key], tr.records[key]
     ev = decode_evicted(trace)  # [L, H, T]; -1 = never evicted
-    never = 0xFFFF
+    wide = len(trace["compressions"]) >= 0xFF  # uint8 while compression indices leave room for NEVER
     raw = ev.copy()
-    raw[raw < 0] = never
+    raw[raw < 0] = 0xFFFF if wide else 0xFF
     states = [c.get("state") for c in trace["compressions"]] + [trace.get("final_state")]
     return {
         "label": tr.label, "dir": tr.run.path.name, "policy": tr.run.policy, "model": tr.run.model,
         "L": int(ev.shape[0]), "H": int(ev.shape[1]), "prompt_len": int(trace["prompt_len"]),
         "tokens": list(trace["prompt_tokens"]) + list(trace["output_tokens"]),
-        # uint16 little-endian, base64: the script reads it with atob + Uint16Array, no inflate needed.
-        "ev": base64.b64encode(raw.astype("<u2").tobytes()).decode("ascii"),
+        # uint8 (uint16 little-endian past 254 compressions), base64: the script reads it with atob and a
+        # typed array, no inflate needed; the max value means never evicted.
+        "ev": base64.b64encode(raw.astype("<u2" if wide else "u1").tobytes()).decode("ascii"), "wide": wide,
         "steps": [{"generated": c["generated"], "seen": c["seen"]} for c in trace["compressions"]],
         "states": states,
         "stats": {k: record.get(k) for k in ("generated_tokens", "compressions", "correct", "extracted",
@@ -204,12 +205,14 @@ summary { cursor: pointer; color: #445; font-size: 13px; }
 <script>
 "use strict";
 const DATA = JSON.parse(document.getElementById("data").textContent);
-const NEVER = 0xFFFF;
-
-function decodeEv(b64) {
+const NEVER = -1;
+function decodeEv(b64, wide) {  // -> [L * H * T] compression index at which each copy left; NEVER = stayed
   const bin = atob(b64), bytes = new Uint8Array(bin.length);
   for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-  return new Uint16Array(bytes.buffer);
+  const arr = wide ? new Uint16Array(bytes.buffer) : bytes, never = wide ? 0xFFFF : 0xFF;
+  const out = new Int32Array(arr.length);
+  for (let i = 0; i < arr.length; i++) out[i] = arr[i] === never ? NEVER : arr[i];
+  return out;
 }
 function ranges(xs) {  // [0,1,2,5,7,8] -> "0-2, 5, 7-8"
   const out = [];
@@ -223,7 +226,7 @@ function esc(s) { return s.replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", 
 
 const maxSteps = Math.max(...DATA.runs.map(r => r.steps.length));
 const runs = DATA.runs.map((r, ri) => {
-  const T = r.tokens.length, LH = r.L * r.H, ev = decodeEv(r.ev);
+  const T = r.tokens.length, LH = r.L * r.H, ev = decodeEv(r.ev, r.wide);
   const col = document.createElement("section");
   col.className = "run"; col.dataset.policy = r.policy; col.dataset.run = String(ri);
   const st = r.stats;
@@ -305,11 +308,8 @@ slider.addEventListener("input", () => render(Number(slider.value)));
 render(Number(slider.value));
 
 const tip = document.getElementById("tip");
-document.addEventListener("mousemove", ev => {
-  const s = ev.target.closest && ev.target.closest(".tok");
-  if (!s) { tip.style.display = "none"; return; }
-  const x = runs[Number(s.closest(".run").dataset.run)], p = Number(s.dataset.p), c = x.step;
-  const C = x.r.steps.length, seen = c < 0 ? x.T : x.r.steps[c].seen;
+function tipFor(x, p) {  // the hover box of position p in run x, at the step shown
+  const c = x.step, C = x.r.steps.length, seen = c < 0 ? x.T : x.r.steps[c].seen;
   const byStep = new Map(), layers = [];
   for (let l = 0; l < x.r.L; l++) {
     let keeps = false;
@@ -322,17 +322,30 @@ document.addEventListener("mousemove", ev => {
   }
   const evs = [...byStep.entries()].sort((a, b) => a[0] - b[0]).map(([e, n]) => `${n} at compression ${e + 1}`);
   const where = p < x.r.prompt_len ? `prompt token ${p}` : `output token ${p - x.r.prompt_len}`;
-  let html = `<b>position ${p}</b> (${where}) <b>${esc(JSON.stringify(x.r.tokens[p]))}</b><br>`;
-  html += p >= seen ? "not generated yet at this step<br>" :
+  let out = `<b>position ${p}</b> (${where}) <b>${esc(JSON.stringify(x.r.tokens[p]))}</b><br>`;
+  out += p >= seen ? "not generated yet at this step<br>" :
     `held by ${heldAfter(x, p, c)} of ${x.LH} layer·heads; layers keeping it: ${ranges(layers)}<br>`;
-  html += `evicted: ${evs.length ? evs.join(", ") : "never"}` + (C ? ` (of ${C} compressions)` : "");
-  if (x.sets.flag.has(p)) html += `<br>in a sentence flagged redundant (similarity ${Number(x.sets.flag.get(p)).toFixed(3)})`;
-  if (x.sets.chk.has(p)) html += "<br>in a check sentence";
-  tip.innerHTML = html; tip.style.display = "block";
+  out += `evicted: ${evs.length ? evs.join(", ") : "never"}` + (C ? ` (of ${C} compressions)` : "");
+  if (x.sets.flag.has(p)) out += `<br>in a sentence flagged redundant (similarity ${Number(x.sets.flag.get(p)).toFixed(3)})`;
+  if (x.sets.chk.has(p)) out += "<br>in a check sentence";
+  return out;
+}
+function showTip(span, cx, cy) {
+  tip.innerHTML = tipFor(runs[Number(span.closest(".run").dataset.run)], Number(span.dataset.p));
+  tip.style.display = "block";
   const w = tip.offsetWidth, hgt = tip.offsetHeight;
-  tip.style.left = Math.min(ev.clientX + 14, innerWidth - w - 8) + "px";
-  tip.style.top = (ev.clientY + 18 + hgt > innerHeight ? ev.clientY - hgt - 10 : ev.clientY + 18) + "px";
+  tip.style.left = Math.min(cx + 14, innerWidth - w - 8) + "px";
+  tip.style.top = (cy + 18 + hgt > innerHeight ? cy - hgt - 10 : cy + 18) + "px";
+}
+document.addEventListener("mousemove", ev => {
+  const s = ev.target.closest && ev.target.closest(".tok");
+  if (s) showTip(s, ev.clientX, ev.clientY); else tip.style.display = "none";
 });
+const pinned = /tip=(\d+)/.exec(location.hash);  // page.html#tip=120 opens with position 120's box (first run)
+if (pinned && runs[0].spans[Number(pinned[1])]) {
+  const span = runs[0].spans[Number(pinned[1])], box = span.getBoundingClientRect();
+  showTip(span, box.left, box.bottom - 12);
+}
 </script>
 </body></html>
 """
