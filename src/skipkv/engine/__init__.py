@@ -116,10 +116,11 @@ def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
 def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              policy: Policy | None = None, engine: EngineConfig | None = None,
              on_result: Callable[[RequestResult], None] | None = None, progress: bool = False,
-             steering: Callable[[object], ResidualAdd] | None = None) -> list[RequestResult]:
+             steering: Callable[[object], ResidualAdd] | None = None, trace: bool = False) -> list[RequestResult]:
     """Generate a completion for every prompt; results come back in prompt order.
 
     steering: a factory taking the model and returning a `ResidualAdd` hook (removed when generation ends).
+    trace: record each result's retention trace (`RequestResult.trace`, see engine/trace.py) for `skipkv show`.
     """
     policy = policy or make_policy("full")
     engine = engine or EngineConfig()
@@ -130,7 +131,7 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
     scheduler = Scheduler(requests, engine.batch_size, engine.group_by_length)
     hook = steering(bundle.model) if steering is not None else None
     runner = ModelRunner(bundle, policy, num_slots=min(engine.batch_size, len(requests)),
-                         prefill_chunk=engine.prefill_chunk, steering=hook)
+                         prefill_chunk=engine.prefill_chunk, steering=hook, trace=trace)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -155,6 +156,8 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
                 runner.release(finished)
                 for r in finished:
                     res = results[r.index] = _result(bundle.tokenizer, r)
+                    if trace:
+                        res.trace = runner.trace_result(r)
                     if on_result is not None:
                         on_result(res)
                     if bar is not None:

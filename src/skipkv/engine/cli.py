@@ -120,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.json:
             row = dataclasses.asdict(r)
             row.pop("token_ids")
+            row.pop("trace")  # only `generate(..., trace=True)` fills it; the JSON lines stay as they were
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
     results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)

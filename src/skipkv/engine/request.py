@@ -34,6 +34,7 @@ class RequestResult:
     peak_total_bytes: int = 0
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
+    trace: dict | None = None  # generate(..., trace=True): retention per compression (engine/trace.py)
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list
@@ -56,6 +57,7 @@ class Request:
     peak_total_bytes: int = 0
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
+    trace: object | None = None  # RequestTrace, created at the first compression when tracing
 
     @property
     def prompt_len(self) -> int:

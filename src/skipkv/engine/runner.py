@@ -15,6 +15,7 @@ from skipkv.cache import KVStore, SlotCache
 from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
+from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.policies.base import Observation, Policy
 
 # Handing HF a ready mask mapping skips its mask construction; the skipkv backend builds its own per layer.
@@ -23,12 +24,13 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 class ModelRunner:
     def __init__(self, bundle, policy: Policy, num_slots: int, prefill_chunk: int = 0,
-                 steering: ResidualAdd | None = None) -> None:
+                 steering: ResidualAdd | None = None, trace: bool = False) -> None:
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.steering = steering
+        self.trace = trace  # record retention per compression (engine/trace.py); off: no recording code runs
         cfg = bundle.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         needs = policy.requirements()
@@ -164,6 +166,8 @@ class ModelRunner:
                     states = [self.running[s].state for s in group]
                     self.store.compact(l, slots, self.policy.select(self._observe(l, slots, n, is_prefill, states)))
         share = (time.perf_counter() - t0) / len(rows)
+        if self.trace:  # outside the timing: compress_seconds is the same with or without tracing
+            self._record_trace(rows)
         for s in rows:
             self.running[s].compress_seconds += share
         for s in done:
@@ -181,6 +185,27 @@ class ModelRunner:
         for l, keep in enumerate(keeps):
             self.store.compact(l, slots, keep)
         return True
+
+    def _record_trace(self, slots: list[int]) -> None:
+        """Tracing only: note what each of `slots` holds right after its compression (before the count moves)."""
+        for s in slots:
+            r = self.running[s]
+            if r.trace is None:
+                r.trace = RequestTrace(self.store.num_layers, self.store.num_kv_heads,
+                                       r.prompt_len + r.sampling.max_new_tokens)
+            lengths = self.store.lengths[:, s]
+            # Layers may hold different lengths (and capacities): pad each layer's positions to the longest.
+            pos = torch.full((self.store.num_layers, self.store.num_kv_heads, int(lengths.max())), -1,
+                             dtype=torch.int32, device=self.store.device)
+            for l, p in enumerate(self.store.pos):
+                pos[l, :, : int(lengths[l])] = p[s, :, : int(lengths[l])]
+            r.trace.record(pos, lengths, len(r.output_ids), self.policy.trace_state(r.state))
+
+    def trace_result(self, r: Request) -> dict:
+        """Tracing only: the finished request's JSON-able trace (token texts, compressions, final policy state)."""
+        t = r.trace or RequestTrace(self.store.num_layers, self.store.num_kv_heads, r.prompt_len + len(r.output_ids))
+        return t.to_json(token_texts(self.tokenizer, r.prompt_ids), token_texts(self.tokenizer, r.output_ids),
+                         self.policy.trace_state(r.state))
 
     def _observe(self, layer: int, slots: torch.Tensor, n: int, is_prefill: bool, states: list) -> Observation:
         queries = None

@@ -63,7 +63,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         dataset_options={k: v for k, v in data_options.items() if v is not None},
         grader_options={k: v for k, v in (("timeout_s", args.code_timeout), ("isolation", args.sandbox))
                         if v is not None},
-        quiet=args.quiet, **{k: v for k, v in given.items() if v is not None},
+        quiet=args.quiet, trace=args.trace, **{k: v for k, v in given.items() if v is not None},
     )
     out = run_eval(cfg)
     s = json.loads((Path(out) / SUMMARY_FILE).read_text())
@@ -120,4 +120,6 @@ def register(sub) -> None:
                    help="isolation of generated code (humaneval): namespaces (default; the run stops if this "
                         "machine cannot provide it) or unsafe-basic (an audit hook only; not a security boundary)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
+    p.add_argument("--trace", action="store_true", help="also record what each compression kept (traces.jsonl) "
+                   "for `skipkv show`; results are unchanged")
     p.set_defaults(func=cmd_eval)

@@ -96,3 +96,63 @@ class RecordStore:
             os.fsync(f.fileno())
         self._keys.add(key)
         self._records.append(record)
+
+
+class TraceFile:
+    """The run directory's traces.jsonl (`skipkv eval --trace`): one line {id, sample, trace} per traced record.
+
+    A trace line is written (flushed, fsynced) just before its record, so a crash in between leaves a trace
+    whose record is missing; `prune(keys)` at the start of a run drops such lines (and a torn last line),
+    so after a resume the file holds exactly one trace per traced record.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def prune(self, keys: set[tuple[str, int]]) -> None:
+        """Keep only the last line of each (id, sample) in `keys`; rewrite the file only if something goes."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_bytes().split(b"\n")
+        kept: dict[tuple[str, int], bytes] = {}
+        dropped = False
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                key = _key(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                dropped = True
+                continue
+            dropped |= key not in keys or key in kept
+            if key in keys:
+                kept[key] = line
+        if not dropped:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in kept.values()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def append(self, example_id: str, sample: int, trace: dict[str, Any]) -> None:
+        line = json.dumps({"id": example_id, "sample": sample, "trace": trace}, ensure_ascii=False) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_traces(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """{(id, sample): trace} from a traces.jsonl; a later line for the same key wins, a torn last line is skipped."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    lines = [line for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            out[_key(row)] = row["trace"]
+        except (ValueError, KeyError, TypeError):
+            if i < len(lines) - 1:
+                raise SkipKVError(f"{path}:{i + 1} is not a valid trace line; the file is damaged") from None
+    return out

@@ -42,6 +42,10 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
 A killed run loses at most the requests in flight; re-running the same command skips finished pairs.
 
+traces.jsonl — only with --trace (EvalConfig.trace): one line {id, sample, trace} per traced record, written
+just before the record (whose `trace` key then names this file); the trace (engine/trace.py) is what
+`skipkv show` draws. Lines left by a crash between the two writes are dropped when the run resumes.
+
 summary.json — over all records in the directory:
   n (records), n_examples, samples (most samples of one example), complete (every selected pair done)
   accuracy                       pass@1: per example the mean of `correct` over its samples, then the mean
@@ -78,17 +82,18 @@ from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
 from skipkv.eval.datasets import Dataset, Example, data_request, get_dataset
 from skipkv.eval.graders import GRADERS, Grader
-from skipkv.eval.records import RecordStore
+from skipkv.eval.records import RecordStore, TraceFile
 from skipkv.outputs import check_dir, made_dir, write_atomic
 
 CONFIG_FILE, RECORDS_FILE, SUMMARY_FILE, LOCK_FILE = "config.json", "records.jsonl", "summary.json", ".lock"
+TRACES_FILE = "traces.jsonl"
 IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy", "budget_mode", "budget_ratio",
                  "budget_reference", "sampling", "grader", "engine")
 CORE_RECORD_KEYS = frozenset({
     "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
     "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
     "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at",
-    "layer_kv_tokens", "sandbox"})
+    "layer_kv_tokens", "sandbox", "trace"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1
 
@@ -134,6 +139,7 @@ class EvalConfig:
     device: str = field(default_factory=lambda: _load_model_default("device"))
     grader_options: Mapping[str, Any] = field(default_factory=dict)  # fields of the dataset's grader, e.g. timeout_s
     quiet: bool = False
+    trace: bool = False  # also write traces.jsonl for `skipkv show` (does not change results)
 
     def __post_init__(self) -> None:
         for name in ("model", "dataset", "policy", "dtype", "device"):
@@ -469,6 +475,7 @@ def run_eval(cfg: EvalConfig) -> Path:
 
         store = RecordStore(out / RECORDS_FILE)
         done = store.keys()
+        TraceFile(out / TRACES_FILE).prune(done)  # a trace whose record a crash lost would shadow the re-run's
         jobs: list[_Job] = []
         for ex in examples:
             todo = [s for s in range(cfg.samples) if (ex.id, s) not in done]
@@ -501,6 +508,7 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
     groups: dict[int | None, list[_Job]] = defaultdict(list)
     for job in jobs:
         groups[job.budget].append(job)
+    traces = TraceFile(store.path.parent / TRACES_FILE) if cfg.trace else None
     bar = tqdm(total=len(jobs), desc=f"{cfg.dataset}/{cfg.policy}", unit="ex", disable=cfg.quiet, dynamic_ncols=True)
     correct = finished_count = 0
     try:
@@ -532,6 +540,9 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                 if verdict.sandbox is not None:
                     record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
                 record.update(job.example.meta)
+                if traces is not None:
+                    traces.append(job.example.id, job.sample, result.trace)
+                    record["trace"] = TRACES_FILE
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1
                 bar.update(1)
@@ -539,6 +550,6 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
                      EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk),
-                     on_result=finished, progress=False)
+                     on_result=finished, progress=False, trace=cfg.trace)
     finally:
         bar.close()

@@ -75,6 +75,13 @@ class Policy:
         """Called once per forward per request when "hidden" is required: token_ids [T], hidden [T, hidden]
         (last layer, after the final norm)."""
 
+    def trace_state(self, state: object) -> dict | None:
+        """Per-request information a retention viewer shows (`skipkv show`), asked at each compression and
+        when the request finishes, only when tracing. JSON-able, spans in true positions, ends inclusive, e.g.
+        {"sentences": [[start, end, label], ...], "flagged": [[start, end, sim], ...]} (label "check" or
+        "other"; sim the similarity that flagged the sentence). None: nothing beyond what the cache held."""
+        return None
+
     @property
     def query_window(self) -> int:
         """How many recent queries the engine must buffer for this policy."""

@@ -3,6 +3,7 @@
     skipkv report runs/sweep_gsm8k                  # tables here; runs/sweep_gsm8k/report/report.md + PNGs
     skipkv report runs/a runs/b --out report --format md
     skipkv report runs/sweep_gsm8k/gsm8k/rkv-b128-s0 --format terminal
+    skipkv show runs/g-rkv runs/g-skipkv --id gsm8k-test-0000     # retention pages (report/viewer.py)
 """
 
 from __future__ import annotations
@@ -33,6 +34,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=FORMATS, default="both",
                    help="terminal: print tables; md: write report.md + PNGs; both (default)")
     p.set_defaults(func=_main)
+
+    p = sub.add_parser("show", help="HTML pages of what the cache kept, per example (runs traced with --trace)",
+                       description="Write one self-contained HTML page per example of a run traced with "
+                                   "`skipkv eval --trace`: tokens shaded by retention, a compression replay "
+                                   "slider, flagged and check sentences; two run dirs side by side.")
+    p.add_argument("dirs", nargs="+", type=Path, metavar="RUN_DIR", help="one run dir, or two to compare")
+    p.add_argument("--id", dest="example_id", default=None, help="only this example (default: every traced one)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the pages (default: RUN_DIR/show)")
+    p.set_defaults(func=_show)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from skipkv.report.viewer import write_pages
+
+    pages = write_pages(list(args.dirs), args.out, args.example_id)
+    print(f"wrote {len(pages)} page{'s' if len(pages) != 1 else ''} -> {pages[0].parent}"
+          + (f" (open {pages[0]})" if len(pages) == 1 else " (index.html lists them)"))
+    return 0
 
 
 def _main(args: argparse.Namespace) -> int:
