@@ -81,10 +81,17 @@ class SamplingParams:
 class EngineConfig:
     """Engine knobs that are not per request."""
 
-    batch_size: int = knob(8, "requests decoded together at most", gt=0)
-    # 0 = whole prompt in one forward; N = prefill N tokens at a time (bounded peak memory)
-    prefill_chunk: int = knob(0, "prefill long prompts this many tokens at a time (0 = whole)", ge=0)
+    batch_size: int = knob(8, "requests running together at most (a cap; with kv_memory, memory decides)", gt=0)
+    # 0 = whole prompt in one forward; N = prefill N tokens of each new request per engine step (bounded peak
+    # memory, and running requests decode one token between two chunks)
+    prefill_chunk: int = knob(0, "prefill prompts this many tokens per step (0 = whole)", ge=0)
     group_by_length: bool = True  # SkipKV's batch grouping: batch prompts of similar length together
+    # Admission by reservation: a request enters only when the slot store, sized for every admitted request's
+    # reservation (see skipkv/engine/scheduler.py), stays within this many bytes. 0 = no cap.
+    kv_memory: int = knob(0, "KV cache bytes at most (0 = no cap)", ge=0)
+    # Padded prompt tokens prefilled per engine step at most, summed over the requests admitted together
+    # (one request is always admitted): a bound on how long one step stalls the running requests. 0 = no limit.
+    prefill_budget: int = knob(0, "prompt tokens prefilled per step at most (0 = no limit)", ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "engine")
