@@ -55,6 +55,21 @@ def check_fields(obj, what: str) -> None:
             raise SkipKVError(f"{what} {name} must be odd, got {v!r}")
 
 
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648; also KiB, MiB, TiB, kB/MB/GB (powers of ten) and plain bytes; '0' = no cap."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise SkipKVError(f"expected a size like 2GiB, 512MiB or 1048576 (bytes), got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. temperature == 0 means greedy."""

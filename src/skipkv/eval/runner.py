@@ -20,8 +20,8 @@ directory is used again; any difference is a SkipKVError, so one directory never
   budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
   sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
   grader                         {name, + its settings}
-  engine                         EngineConfig minus batch_size
-Not compared: execution {limit, samples, batch_size, out, reference_dir} — a larger --limit or more
+  engine                         EngineConfig minus batch_size, kv_memory and prefill_budget
+Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
 --samples extends a run, and batch size does not change tokens (the engine's batch == singles invariant) —
 and environment {git_revision, git_dirty, versions, machine, created}.
 
@@ -118,6 +118,7 @@ class EvalConfig:
     max_new_tokens: int | None = None  # None: the dataset's default
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
+    kv_memory: int = _ENGINE.kv_memory  # bytes, 0 = no cap (execution only: it does not change tokens)
     prompt_style: str = "chat"
     dtype: str = field(default_factory=lambda: _load_model_default("dtype"))
     device: str = field(default_factory=lambda: _load_model_default("device"))
@@ -419,9 +420,11 @@ def run_eval(cfg: EvalConfig) -> Path:
             "budget_ratio": cfg.budget_ratio,
             "budget_reference": {"mean_generated_tokens": ref_mean} if ref_mean is not None else None,
             "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(grader)},
-            "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items() if k != "batch_size"}
+            "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
+                       if k not in ("batch_size", "kv_memory", "prefill_budget")}
             | {"prefill_chunk": cfg.prefill_chunk},
             "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
+                          "kv_memory": cfg.kv_memory,
                           "out": str(out), "reference_dir": cfg.reference},
             "environment": _environment(), "config_version": CONFIG_VERSION,
         })
@@ -492,7 +495,7 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                 bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
-                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk),
+                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory),
                      on_result=finished, progress=False)
     finally:
         bar.close()
