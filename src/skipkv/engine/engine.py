@@ -125,8 +125,13 @@ class Engine:
         if getattr(bundle.model.config, "_attn_implementation", None) == BACKEND:
             raise SkipKVError("another Engine is open on this model; close it first")
         self.hook = steering(bundle.model) if steering is not None else None
-        self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
-                                  steering=self.hook)
+        try:
+            self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
+                                      steering=self.hook)
+        except BaseException:
+            if self.hook is not None:  # a refused policy must not leave the hook on the model
+                self.hook.remove()
+            raise
         self.scheduler = Scheduler(self.config, self.runner.entry_bytes)
         self._eos = eos_ids(bundle)
         self._next_index = 0
