@@ -312,6 +312,8 @@ def check_writable(path: str | None) -> None:
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise SkipKVError(f"--out {path} is a directory; give a file name")
+    if parent.exists() and not parent.is_dir():
+        raise SkipKVError(f"--out {path}: {parent} is not a directory")
     if not parent.exists():
         try:
             parent.mkdir(parents=True)
