@@ -76,7 +76,7 @@ class Scheduler:
         cap = self.config.kv_memory
         if cap and r.reserve * self.entry_bytes > cap:
             raise SkipKVError(f"request {r.request_id or r.index} needs {r.reserve} KV entries per layer "
-                              f"({r.reserve * self.entry_bytes / 2**20:.1f} MiB) but kv_memory is {cap / 2**20:.1f} MiB")
+                              f"({r.reserve * self.entry_bytes} bytes over all layers) but kv_memory is {cap} bytes")
         self._seq += 1
         key = (r.prompt_len if self.config.group_by_length else 0, self._seq)
         at = bisect.bisect(self._keys, key)
