@@ -58,8 +58,7 @@ def engine_run(monkeypatch, bundle, spec, prompts, max_new, engine: EngineConfig
     def spy(self, rows, is_prefill):
         original(self, rows, is_prefill)
         store = self.store
-        for s in rows:
-            r = self.running[s]
+        for s, r in rows:
             n = int(store.lengths[0, s])
             assert (store.lengths[:, s] == n).all()
             processed = max(int(p[s, :, :n].max()) for p in store.pos) + 1

@@ -87,10 +87,9 @@ def test_trace_decodes_to_what_the_store_held(tiny, monkeypatch) -> None:
     held: dict[int, list] = {}
     original = ModelRunner._record_trace
 
-    def snapshot(self, slots):
-        original(self, slots)
-        for s in slots:
-            r = self.running[s]
+    def snapshot(self, rows):
+        original(self, rows)
+        for s, r in rows:
             n = self.store.lengths[:, s].tolist()
             held.setdefault(r.index, []).append(
                 ([[sorted(self.store.pos[l][s, h, :n[l]].tolist()) for h in range(self.store.num_kv_heads)]

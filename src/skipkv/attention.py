@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from skipkv.cache.store import KVStore
+from skipkv.cache.store import KVStore, to_device
 
 BACKEND = "skipkv"
 
@@ -46,7 +46,7 @@ class QueryBuffer:
             if layer == 0:
                 self.qpos[rows, ring] = positions[:, 0]
             return
-        t = real.to(q.device)[:, None] - W + torch.arange(W, device=q.device)  # [B, W] token index in this chunk
+        t = to_device(real, q.device)[:, None] - W + torch.arange(W, device=q.device)  # [B, W] token index in this chunk
         valid = t >= 0
         t = t.clamp(min=0)
         rows = torch.arange(B, device=q.device)[:, None].expand(B, W)[valid]
@@ -70,6 +70,14 @@ class QueryBuffer:
 
     def allocated_bytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.qpos.numel() * self.qpos.element_size()
+
+    def resize(self, num_slots: int) -> None:
+        """Change the number of slots; slots [0, num_slots) keep their queries."""
+        n = min(num_slots, self.q.shape[1])
+        q = self.q.new_zeros(self.q.shape[0], num_slots, *self.q.shape[2:])
+        qpos = self.qpos.new_full((num_slots, self.window), -1)
+        q[:, :n], qpos[:n] = self.q[:, :n], self.qpos[:n]
+        self.q, self.qpos = q, qpos
 
     def move(self, src: int, dst: int) -> None:
         self.q[:, dst] = self.q[:, src]
@@ -101,7 +109,7 @@ class StepContext:
         base = self.store.lengths[layer, self.start:self.start + len(self.real)]
         key = (K, tuple(base.tolist()))
         if key not in self._masks:
-            limit = base.to(device)[:, None] + torch.arange(T, device=device)  # [B, T]
+            limit = to_device(base, device)[:, None] + torch.arange(T, device=device)  # [B, T]
             self._masks[key] = (torch.arange(K, device=device)[None, None, :] <= limit[:, :, None])[:, None]
         return self._masks[key]
 
@@ -131,7 +139,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     logits = logits.view(B, H, G, T, K).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if ctx.accumulate:
-        real_q = torch.arange(T, device=query.device)[None, :] < ctx.real.to(query.device)[:, None]  # [B, T]
+        real_q = torch.arange(T, device=query.device)[None, :] < to_device(ctx.real, query.device)[:, None]  # [B, T]
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
         ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
     out = torch.matmul(probs.view(B, H, G * T, K), value.float()).view(B, Hq, T, D).to(value.dtype)

@@ -65,6 +65,21 @@ def check_fields(obj, what: str) -> None:
             raise SkipKVError(f"{what} {name} must be odd, got {v!r}")
 
 
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648; also KiB, MiB, TiB, kB/MB/GB (powers of ten) and plain bytes; '0' = no cap."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise SkipKVError(f"expected a size like 2GiB, 512MiB or 1048576 (bytes), got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. temperature == 0 means greedy."""
@@ -91,10 +106,17 @@ class SamplingParams:
 class EngineConfig:
     """Engine knobs that are not per request."""
 
-    batch_size: int = knob(8, "requests decoded together at most", gt=0)
-    # 0 = whole prompt in one forward; N = prefill N tokens at a time (bounded peak memory)
-    prefill_chunk: int = knob(0, "prefill long prompts this many tokens at a time (0 = whole)", ge=0)
+    batch_size: int = knob(8, "requests running together at most (a cap; with kv_memory, memory decides)", gt=0)
+    # 0 = whole prompt in one forward; N = prefill N tokens of each new request per engine step (bounded peak
+    # memory, and running requests decode one token between two chunks)
+    prefill_chunk: int = knob(0, "prefill prompts this many tokens per step (0 = whole)", ge=0)
     group_by_length: bool = True  # SkipKV's batch grouping: batch prompts of similar length together
+    # Admission by reservation: a request enters only when the slot store, sized for every admitted request's
+    # reservation (see skipkv/engine/scheduler.py), stays within this many bytes. 0 = no cap.
+    kv_memory: int = knob(0, "KV cache bytes at most (0 = no cap)", ge=0)
+    # Padded prompt tokens prefilled per engine step at most, summed over the requests admitted together
+    # (one request is always admitted): a bound on how long one step stalls the running requests. 0 = no limit.
+    prefill_budget: int = knob(0, "prompt tokens prefilled per step at most (0 = no limit)", ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "engine")

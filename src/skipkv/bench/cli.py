@@ -2,6 +2,8 @@
 
     skipkv bench decode --model random:qwen2:0.5b --policies full,rkv --budget 256 --lengths 256,1024,4096
     skipkv bench fidelity --model random:qwen2 --dataset niah --lengths 512 --policies snapkv,laprox --budget-ratio 0.2
+    skipkv bench throughput --model random:qwen2:0.5b --workload synthetic:128x512 --requests 32 \
+        --kv-memory 48MiB --policies full,rkv --budget 64 --interval 32 --out docs/bench_throughput_quick.json
 """
 
 from __future__ import annotations
@@ -47,7 +49,41 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batches(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SkipKVError(f"--batch-sweep: expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise SkipKVError(f"--batch-sweep: batch sizes must be positive integers, got {text!r}")
+    return vals
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from skipkv.bench.throughput import run_bench
+    from skipkv.policies import POLICIES
+
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies:
+        raise SkipKVError("--policies: give at least one policy")
+    for p in policies:
+        POLICIES.get(p)  # one-line error for an unknown name, before loading a model
+    if args.requests < 1:
+        raise SkipKVError(f"--requests must be positive, got {args.requests}")
+    if args.max_seconds is not None and (args.max_seconds <= 0 or args.hf_reference):
+        raise SkipKVError("--max-seconds must be positive and cannot be combined with --hf-reference")
+    knobs = {"budget": args.budget, "interval": args.interval, "window": args.window}
+    run_bench(args.model, args.workload, args.requests, policies, args.kv_memory, knobs, batch_size=args.batch_size,
+              batch_sweep=_batches(args.batch_sweep) if args.batch_sweep else None, hf_reference=args.hf_reference,
+              max_new_tokens=args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+              prefill_budget=args.prefill_budget, dtype=args.dtype, device=args.device, seed=args.seed,
+              out=args.out, plot_path=args.plot, max_seconds=args.max_seconds)
+    return 0
+
+
 def register(sub) -> None:
+    from skipkv.engine.cli import kv_memory_arg
+
     b = sub.add_parser("bench", help="benchmarks (tables + JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
     d = bsub.add_parser("decode", help="per-step decode time and KV memory vs generated length")
@@ -73,3 +109,25 @@ def register(sub) -> None:
     f.add_argument("--dtype", default="bf16")
     f.add_argument("--out", help="write the JSON report here (and a PNG plot beside it)")
     f.set_defaults(func=cmd_fidelity)
+    t = bsub.add_parser("throughput", help="tokens/s of each policy under one KV memory cap (+ batch sweep)")
+    t.add_argument("--model", default="random:qwen2:0.5b")
+    t.add_argument("--workload", default="synthetic:128x512", help="synthetic:PROMPTxOUTPUT or gsm8k")
+    t.add_argument("--requests", type=int, default=32, help="requests, all submitted at once")
+    t.add_argument("--policies", default="full,rkv")
+    t.add_argument("--kv-memory", type=kv_memory_arg, default=0, help="KV memory cap, e.g. 2GiB (0 = none)")
+    t.add_argument("--budget", type=int, help="policy budget (compressing policies; default: the policy's)")
+    t.add_argument("--interval", type=int)
+    t.add_argument("--window", type=int)
+    t.add_argument("--batch-size", type=int, help="cap on running requests (default: --requests; memory decides)")
+    t.add_argument("--batch-sweep", help="e.g. 1,2,4,8: tokens/s per batch size without a memory cap")
+    t.add_argument("--hf-reference", action="store_true", help="also time transformers' generate (full cache)")
+    t.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
+    t.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per request per step (0 = whole)")
+    t.add_argument("--prefill-budget", type=int, default=0, help="prompt tokens per step at most (0 = no limit)")
+    t.add_argument("--dtype", default="bf16")
+    t.add_argument("--device", help="cpu, cuda (default: the loader's)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    t.add_argument("--out", help="write the JSON report here (checked writable before running)")
+    t.add_argument("--plot", help="PNG path (default: --out with .png)")
+    t.add_argument("--max-seconds", type=float, help="cut each engine run after this long (rates over the window)")
+    t.set_defaults(func=cmd_throughput)

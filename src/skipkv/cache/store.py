@@ -11,7 +11,8 @@ Running requests always occupy slots [0, n) so that a forward over them reads pl
 `move` fills a hole left by a finished request. Bytes are counted from what is allocated and from what each
 request holds: `allocated_bytes`/`held_bytes`/`bytes_per_entry` count K/V only (what papers report);
 `allocated_total_bytes`/`held_total_bytes`/`total_bytes_per_entry` add the int32 positions and the aux
-accumulators that travel with every entry.
+accumulators that travel with every entry. `reshape` changes the number of slots and the capacities together,
+so that an engine under a KV memory cap allocates only the slots its admitted requests reserved.
 
     python -c "from skipkv.cache import KVStore; import torch; s = KVStore(2, 4, 2, 16, 32, torch.float32); print(s.allocated_bytes())"
 """
@@ -21,6 +22,15 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to `device` without a host sync: on CUDA through pinned memory, non-blocking
+    (a plain pageable copy waits for the stream). The pinned staging copy keeps later in-place edits of `t`
+    (e.g. `lengths += ...`) out of the transfer."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class KVStore:
@@ -48,22 +58,30 @@ class KVStore:
     def _side(self, capacity: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
         return torch.full((self.num_slots, self.num_kv_heads, capacity), fill, dtype=dtype, device=self.device)
 
-    def _allocate(self, capacities: list[int]) -> None:
-        """(Re)allocate the layers whose capacity changes, keeping the valid prefix of each slot."""
+    def _allocate(self, capacities: list[int], num_slots: int | None = None) -> None:
+        """(Re)allocate the layers whose capacity changes (every layer when the slot count changes), keeping the
+        valid prefix of each kept slot."""
+        old_slots = self.num_slots
+        self.num_slots = old_slots if num_slots is None else num_slots
+        ks = min(old_slots, self.num_slots)
         for l, cap in enumerate(capacities):
-            if cap == self.capacities[l]:
+            if cap == self.capacities[l] and self.num_slots == old_slots:
                 continue
             keep = min(self.capacities[l], cap)
             k, v, pos = self._buf(cap), self._buf(cap), self._side(cap, torch.int32, -1)
-            k[:, :, :keep] = self.k[l][:, :, :keep]
-            v[:, :, :keep] = self.v[l][:, :, :keep]
-            pos[..., :keep] = self.pos[l][..., :keep]
+            k[:ks, :, :keep] = self.k[l][:ks, :, :keep]
+            v[:ks, :, :keep] = self.v[l][:ks, :, :keep]
+            pos[:ks, :, :keep] = self.pos[l][:ks, :, :keep]
             self.k[l], self.v[l], self.pos[l] = k, v, pos
             for n in self.aux_names:
                 a = self._side(cap, torch.float32, 0)
-                a[..., :keep] = self.aux[n][l][..., :keep]
+                a[:ks, :, :keep] = self.aux[n][l][:ks, :, :keep]
                 self.aux[n][l] = a
             self.capacities[l] = cap
+        if self.lengths.shape[1] != self.num_slots:
+            lengths = torch.zeros(self.num_layers, self.num_slots, dtype=torch.long)
+            lengths[:, :ks] = self.lengths[:, :ks]
+            self.lengths = lengths
         self.peak_allocated = max(self.peak_allocated, self.allocated_bytes())
         self.peak_allocated_total = max(self.peak_allocated_total, self.allocated_total_bytes())
 
@@ -93,6 +111,19 @@ class KVStore:
             if int(self.lengths[l].max()) > w:
                 raise ValueError(f"cannot resize layer {l} to {w}: a slot holds {int(self.lengths[l].max())} entries")
         self._allocate(want)
+
+    def reshape(self, num_slots: int, capacity: int | Sequence[int]) -> None:
+        """Set the number of slots and the capacities (one int for every layer, or one per layer) exactly;
+        slots [0, num_slots) keep their entries."""
+        want = self._per_layer(capacity)
+        if num_slots < self.num_slots and int(self.lengths[:, num_slots:].max()) > 0:
+            raise ValueError(f"cannot drop to {num_slots} slots: a higher slot holds entries")
+        held = self.lengths[:, :num_slots]
+        for l, w in enumerate(want):
+            if held.numel() and int(held[l].max()) > w:
+                raise ValueError(f"cannot reshape layer {l} to capacity {w}: a slot holds {int(held[l].max())} entries")
+        if num_slots != self.num_slots or want != self.capacities:
+            self._allocate(want, num_slots)
 
     @property
     def bytes_per_entry(self) -> int:
@@ -136,14 +167,14 @@ class KVStore:
             raise RuntimeError(f"KV slot overflow: need {top} entries in layer {layer}, capacity {self.capacities[layer]}")
         rows = torch.arange(start, start + B, device=self.device)
         if T == 1:
-            idx = base.to(self.device)
+            idx = to_device(base, self.device)
             self.k[layer][rows, :, idx] = k_new[:, :, 0]
             self.v[layer][rows, :, idx] = v_new[:, :, 0]
             self.pos[layer][rows, :, idx] = positions[:, :1].to(torch.int32).expand(B, self.num_kv_heads)
             for n in self.aux_names:  # a reused entry must not inherit the previous occupant's accumulator
                 self.aux[n][layer][rows, :, idx] = 0.0
         else:
-            idx = base.to(self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            idx = to_device(base, self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
             self.k[layer][rows[:, None], :, idx] = k_new.transpose(1, 2)
             self.v[layer][rows[:, None], :, idx] = v_new.transpose(1, 2)
             self.pos[layer][rows[:, None], :, idx] = positions.to(torch.int32)[:, :, None].expand(B, T, self.num_kv_heads)
@@ -157,9 +188,11 @@ class KVStore:
         self.lengths[sl, start:start + len(counts)] += counts
 
     def compact(self, layer: int, slots: torch.Tensor, keep: torch.Tensor) -> None:
-        """Keep entries `keep` [b, H, K] (ascending per head) of `slots` [b] in `layer`, moved to the front."""
+        """Keep entries `keep` [b, H, K] (ascending per head) of `slots` [b] in `layer`, moved to the front.
+        Pass `slots` as a host tensor: the host lengths are indexed by it (a device one costs a sync)."""
         b, H, K = keep.shape
-        slots = slots.to(self.device)
+        host_slots = slots.cpu()
+        slots = to_device(slots, self.device)
         keep = keep.to(self.device)
         idx = keep[..., None].expand(b, H, K, self.head_dim)
         for buf in (self.k[layer], self.v[layer]):
@@ -167,7 +200,7 @@ class KVStore:
         self.pos[layer][slots, :, :K] = torch.gather(self.pos[layer][slots], 2, keep)
         for n in self.aux_names:
             self.aux[n][layer][slots, :, :K] = torch.gather(self.aux[n][layer][slots], 2, keep)
-        self.lengths[layer, slots.cpu()] = K
+        self.lengths[layer, host_slots] = K
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` over slot `dst` (used to keep running requests in slots [0, n))."""

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from skipkv.config import EngineConfig, SamplingParams
+from skipkv.config import EngineConfig, SamplingParams, parse_bytes
 from skipkv.errors import SkipKVError
 
 _SAMPLING_DEFAULTS = SamplingParams()
@@ -69,6 +69,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
                    help="prefill long prompts this many tokens at a time (0 = whole)")
+    add_memory_args(p)
+
+
+def kv_memory_arg(text: str) -> int:
+    """argparse type for --kv-memory: a size (2GiB, 512MiB, plain bytes); a bad one is a one-line usage error."""
+    try:
+        return parse_bytes(text)
+    except SkipKVError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_memory_args(p: argparse.ArgumentParser, prefill_budget: bool = True) -> None:
+    p.add_argument("--kv-memory", type=kv_memory_arg, default=_ENGINE_DEFAULTS.kv_memory,
+                   help="KV cache memory cap, e.g. 2GiB (admission by reservation; 0 = no cap)")
+    if prefill_budget:
+        p.add_argument("--prefill-budget", type=int, default=_ENGINE_DEFAULTS.prefill_budget,
+                       help="prompt tokens prefilled per engine step at most (0 = no limit)")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -109,7 +126,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Validate everything cheap before loading a model.
     policy = policy_from_args(args)
     sampling = sampling_from_args(args)
-    engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
+    engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
+                          prefill_budget=args.prefill_budget)
     prompts = read_prompts(args)
     bundle = load_model(args.model, dtype=args.dtype)
     if not args.raw and getattr(bundle.tokenizer, "chat_template", None):

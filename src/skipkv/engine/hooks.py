@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from skipkv.cache.store import to_device
+
 
 class ResidualAdd:
     def __init__(self, model, layer: int, vector: torch.Tensor, coef: Callable[[object], float],
@@ -26,9 +28,9 @@ class ResidualAdd:
         self.handle = layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def prepare(self, tokens: torch.Tensor, states: list) -> None:
-        """Set the per-row scale for the next forward from each request's current token and state."""
+        """Set the per-row scale for the next forward from each request's current token (host tensor [B]) and state."""
         vals = [self.coef(s) if (self.gate is None or self.gate(int(t), s)) else 0.0 for t, s in zip(tokens.tolist(), states)]
-        self.scale = torch.tensor(vals, device=self.vector.device, dtype=self.vector.dtype)
+        self.scale = to_device(torch.tensor(vals, dtype=self.vector.dtype), self.vector.device)
 
     def _hook(self, module, args, kwargs):
         if self.scale is None:

@@ -1,12 +1,37 @@
-"""One request's life: its prompt, sampling, outputs, stop state and statistics."""
+"""One request's life: its prompt, sampling, outputs, stop state, timing and statistics.
+
+    from skipkv.engine.request import encode_prompt
+    encode_prompt(load_model("random:qwen2").tokenizer, "Hello")
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from skipkv.config import SamplingParams
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of a prompt. Text that already starts with the BOS text (a chat template's output) gets no second BOS."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    bos = getattr(tokenizer, "bos_token", None)
+    add = not (bos and prompt.startswith(bos))
+    return list(tokenizer(prompt, add_special_tokens=add)["input_ids"])
+
+
+def eos_ids(bundle) -> frozenset[int]:
+    """End-of-sequence ids: the tokenizer's and the generation config's (chat models often have two)."""
+    ids: set[int] = set()
+    for src in (bundle.tokenizer.eos_token_id, getattr(getattr(bundle.model, "generation_config", None), "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return frozenset(int(i) for i in ids)
 
 
 @dataclass
@@ -35,6 +60,20 @@ class RequestResult:
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
     trace: dict | None = None  # generate(..., trace=True): retention per compression (engine/trace.py)
+    request_id: str = ""
+    queued_seconds: float = 0.0  # from add_request to admission (waiting for a slot / KV memory)
+    ttft_seconds: float = 0.0  # time to first token: from add_request to the first token
+    tpot_p50_seconds: float | None = None  # per-token latency (gap between consecutive tokens), median and p99;
+    tpot_p99_seconds: float | None = None  # None for a request that produced a single token
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, linearly interpolated (numpy's default)."""
+    xs = sorted(values)
+    at = q * (len(xs) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list
@@ -51,13 +90,21 @@ class Request:
     decode_peak_kv_bytes: int = 0
     compressions: int = 0
     compress_seconds: float = 0.0
-    started: float = 0.0
+    started: float = 0.0  # admission time
     generator: torch.Generator | None = None
     state: object | None = None  # the policy's per-request state
     peak_total_bytes: int = 0
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
     trace: object | None = None  # RequestTrace, created at the first compression when tracing
+    request_id: str = ""
+    policy: object | None = None  # the policy this request runs under (its own lower budget, if it asked for one)
+    reserve: int = 0  # slot entries reserved per layer (see scheduler.reservation)
+    layer_reserve: torch.Tensor | None = None  # [L] entries each layer may need (policy.layer_capacity), host
+    arrived: float = field(default_factory=time.perf_counter)  # add_request time
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens
 
     @property
     def prompt_len(self) -> int:
@@ -75,3 +122,12 @@ class Request:
         if decoding:
             self.decode_peak_kv_tokens = max(self.decode_peak_kv_tokens, tokens)
             self.decode_peak_kv_bytes = max(self.decode_peak_kv_bytes, nbytes)
+
+    def add_token(self, token: int, now: float) -> None:
+        """Append a sampled token and record when it arrived."""
+        if self.output_ids:
+            self.token_gaps.append(now - self.last_token_at)
+        else:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.output_ids.append(token)

@@ -1,20 +1,31 @@
 """The model runner: batched prefill and decode forwards over slot rows, compression, slot bookkeeping.
 
-Running requests always sit in slots [0, n): `running[i]` owns slot i. A finished request's slot is
-refilled by moving the last running request into it, so forwards read plain views of the store.
+Slot layout: decoding requests sit in slots [0, n): `running[i]` owns slot i. A group of newly admitted
+requests (the cohort) is prefilled in the slots right after them, one chunk per engine step, while the
+running requests keep decoding; when its prompts are done the group joins `running` (moved down if
+requests finished meanwhile). A finished request's slot is refilled by moving the last running request
+into it, so forwards read plain views of the store. The store's shape (slots x capacity) is set by the
+engine from reservations (`reshape`), see skipkv/engine/scheduler.py.
+
+Host syncs: lengths live on the host, small index tensors go to the device through pinned memory
+(`to_device`), so a decode step that does not compress syncs once, when sampling reads the tokens.
+A compression step reads a few device values (the queries buffered, the policy's selection).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 
 from skipkv.attention import QueryBuffer, StepContext
 from skipkv.cache import KVStore, SlotCache
+from skipkv.cache.store import to_device
 from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
+from skipkv.engine.scheduler import chunk_width, reservation, staging
 from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.policies.base import Observation, Policy
 
@@ -23,7 +34,7 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 
 class ModelRunner:
-    def __init__(self, bundle, policy: Policy, num_slots: int, prefill_chunk: int = 0,
+    def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
                  steering: ResidualAdd | None = None, trace: bool = False) -> None:
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
@@ -41,7 +52,19 @@ class ModelRunner:
                                     self.head_dim, bundle.dtype, bundle.device) if "queries" in needs else None)
         self.cache = SlotCache(self.store)
         self.layers = bundle.model.model.layers
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # decoding, slots [0, n)
+        self.cohort: list[Request] = []  # prefilling, slots [cohort_start, cohort_start + k)
+        self.cohort_start = 0
+        self._chunk_at = 0  # prompt offset of the cohort's next chunk
+        self._cohort_len = 0  # longest prompt of the cohort
+        self._cohort_stage = 0  # entries the cohort's staging needs (scheduler.staging)
+        self._last_hidden: list[torch.Tensor | None] = []
+        self.compressions = 0  # rows compressed, cumulative
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one slot entry over all layers (K + V): the unit of reservations."""
+        return self.store.bytes_per_entry * self.store.num_layers
 
     # ------------------------------------------------------------------------------------ forwards
     def _forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -69,77 +92,139 @@ class ModelRunner:
             r.note_memory(t, b, decoding, tb)
         return tokens
 
-    def target_capacity(self, extra: list[Request] = ()) -> int:
-        reqs = list(self.running) + list(extra)
-        return max(self.policy.capacity(r.prompt_len, r.sampling.max_new_tokens) for r in reqs)
+    # ------------------------------------------------------------------------------------ store shape
+    def _prepare(self, reqs: Sequence[Request]) -> None:
+        for r in reqs:
+            if r.policy is None:
+                r.policy = self.policy
+            if not r.reserve:
+                r.reserve = reservation(r, self.prefill_chunk)
+            if r.layer_reserve is None:  # per-layer bounds (differ under per-layer budgets), computed once
+                L = self.store.num_layers
+                r.layer_reserve = torch.tensor([r.policy.layer_capacity(l, L, r.prompt_len, r.sampling.max_new_tokens)
+                                                for l in range(L)])
 
-    def prefill(self, new: list[Request]) -> list[int]:
-        """Admit `new` into slots [n, n+k), prefill them together, return their first tokens."""
-        device = self.store.device
-        start, k = len(self.running), len(new)
-        lens = torch.tensor([r.prompt_len for r in new])
-        T = int(lens.max())
-        chunk = self.prefill_chunk if 0 < self.prefill_chunk < T else T
-        self.store.ensure_capacity(self.target_capacity(new))
-        self.running.extend(new)
-        for i, r in enumerate(new):
-            self.store.clear(start + i)
-            if self.queries is not None:
-                self.queries.clear(start + i)
-        ids = torch.full((k, T), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(new):
-            ids[i, : r.prompt_len] = torch.tensor(r.prompt_ids)
-        ids = ids.to(device)
-        last_hidden = [None] * k
-        for c0 in range(0, T, chunk):
-            c1 = min(c0 + chunk, T)
-            real = (lens - c0).clamp(0, c1 - c0)
-            positions = torch.arange(c0, c1, device=device).expand(k, -1)
-            # Each chunk is staged whole before compression brings the request back to its budget; layers
-            # that a model-wide policy left shorter grow only by the chunk.
-            self.store.ensure_capacity((self.store.lengths[:, start:start + k].amax(dim=1) + c1 - c0).tolist())
-            hidden = self._forward(start, ids[:, c0:c1], positions, real)
-            held = self._note_memory(start, new, decoding=False)
-            for i, r in enumerate(new):
-                if c0 <= r.prompt_len - 1 < c1:
-                    last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
-                if self.need_hidden and real[i] > 0:
-                    self.policy.observe(r.state, ids[i, c0:c0 + int(real[i])], hidden[i, : int(real[i])])
-            self.compress([start + i for i, n in enumerate(held) if self.policy.should_compress(n, True)], is_prefill=True)
-        self.store.resize(self.layer_capacities())
-        for r in new:
-            r.allocated_kv_bytes = self.store.allocated_bytes()
-        return sample(self._logits(torch.stack(last_hidden)), new)
-
-    def decode(self) -> list[int]:
-        """One decode step over every running request; returns the next token of each."""
-        device = self.store.device
-        B = len(self.running)
-        ids = torch.tensor([[r.output_ids[-1]] for r in self.running], device=device)
-        positions = torch.tensor([[r.next_position] for r in self.running], device=device)
-        if self.steering is not None:
-            self.steering.prepare(ids[:, 0], [r.state for r in self.running])
-        hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
-        held = self._note_memory(0, self.running, decoding=True)
-        if self.need_hidden:
-            for i, r in enumerate(self.running):
-                self.policy.observe(r.state, ids[i], hidden[i])
-        tokens = sample(self._logits(hidden[:, -1]), self.running)
-        self.compress([i for i, n in enumerate(held) if self.policy.should_compress(n, False)], is_prefill=False)
-        return tokens
+    def needed_shape(self) -> tuple[int, list[int]]:
+        """(slots, per-layer capacities) that the live requests need now: for the decoding requests, what each
+        layer keeps plus its remaining growth (`layer_capacities`, so allocation follows per-layer budgets); for
+        the admitted group, its reservations and prompt staging."""
+        slots = self.cohort_start + len(self.cohort) if self.cohort else len(self.running)
+        caps = self.layer_capacities()
+        if self.cohort:  # the admitted group stages its prompts within its reservations
+            stage = max([r.reserve for r in self.cohort] + [self._cohort_stage])
+            caps = [max(c, stage) for c in caps]
+        held = self.store.lengths[:, :min(slots, self.store.num_slots)]
+        if held.numel():
+            caps = [max(c, int(h)) for c, h in zip(caps, held.amax(dim=1).tolist())]
+        return slots, caps
 
     def layer_capacities(self) -> list[int]:
         """Entries each layer must hold for the running requests: what each slot holds now plus the growth
         it may still need (bounded by the policy's per-layer capacity), so allocation follows what is kept."""
-        L = self.store.num_layers
-        caps = [0] * L
-        for s, r in enumerate(self.running):
-            remaining = r.sampling.max_new_tokens - len(r.output_ids)
-            for l in range(L):
-                n = int(self.store.lengths[l, s])
-                bound = self.policy.layer_capacity(l, L, r.prompt_len, r.sampling.max_new_tokens)
-                caps[l] = max(caps[l], n, min(bound, n + remaining))
-        return caps
+        n = len(self.running)
+        if n == 0:
+            return [0] * self.store.num_layers
+        held = self.store.lengths[:, :n]  # [L, n]
+        remaining = torch.tensor([r.sampling.max_new_tokens - len(r.output_ids) for r in self.running])
+        bound = torch.stack([r.layer_reserve for r in self.running], dim=1)  # [L, n]
+        return torch.maximum(held, torch.minimum(bound, held + remaining)).amax(dim=1).tolist()
+
+    def fit(self, exact: bool) -> None:
+        """Shape the store for the live requests: exactly (freeing memory at once), or only growing where it
+        is too small (a slot about to be refilled is not freed and reallocated)."""
+        slots, caps = self.needed_shape()
+        if not exact and slots <= self.store.num_slots and all(c <= h for c, h in zip(caps, self.store.capacities)):
+            return
+        self.store.reshape(slots, caps)
+        if self.queries is not None and self.queries.q.shape[1] != slots:
+            self.queries.resize(slots)
+
+    # ------------------------------------------------------------------------------------ prefill
+    def start_cohort(self, new: list[Request]) -> None:
+        """Admit `new` into the slots after the running requests; `prefill_step` then prefills them."""
+        if self.cohort:
+            raise RuntimeError("a cohort is still prefilling")
+        self._prepare(new)
+        self.cohort = list(new)
+        self.cohort_start = len(self.running)
+        self._chunk_at = 0
+        self._cohort_len = max(r.prompt_len for r in new)
+        self._cohort_stage = staging(new, self.prefill_chunk)
+        self._last_hidden = [None] * len(new)
+        self.fit(exact=False)
+        for i in range(len(new)):
+            self.store.clear(self.cohort_start + i)
+            if self.queries is not None:
+                self.queries.clear(self.cohort_start + i)
+
+    def prefill_step(self) -> tuple[int, list[tuple[Request, int]]]:
+        """Prefill the cohort's next chunk. Returns (real prompt tokens processed, [(request, first token)]
+        for every cohort request once the whole cohort is done, else [])."""
+        device = self.store.device
+        new, start, k = self.cohort, self.cohort_start, len(self.cohort)
+        c0 = self._chunk_at
+        c1 = min(c0 + chunk_width(self.prefill_chunk, self._cohort_len), self._cohort_len)
+        lens = torch.tensor([r.prompt_len for r in new])
+        real = (lens - c0).clamp(0, c1 - c0)
+        ids = torch.full((k, c1 - c0), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(new):
+            if real[i] > 0:
+                ids[i, : int(real[i])] = torch.tensor(r.prompt_ids[c0:c0 + int(real[i])])
+        ids = to_device(ids, device)
+        positions = torch.arange(c0, c1, device=device).expand(k, -1)
+        # Each chunk is staged whole before compression brings the request back to its budget; layers
+        # that a model-wide policy left shorter grow only by the chunk.
+        self.store.ensure_capacity((self.store.lengths[:, start:start + k].amax(dim=1) + c1 - c0).tolist())
+        hidden = self._forward(start, ids, positions, real)
+        held = self._note_memory(start, new, decoding=False)
+        for i, r in enumerate(new):
+            if c0 <= r.prompt_len - 1 < c1:
+                self._last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
+            if self.need_hidden and real[i] > 0:
+                r.policy.observe(r.state, ids[i, : int(real[i])], hidden[i, : int(real[i])])
+        self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held)) if r.policy.should_compress(n, True)],
+                      is_prefill=True)
+        self._chunk_at = c1
+        if c1 < self._cohort_len:
+            return int(real.sum()), []
+        tokens = sample(self._logits(torch.stack(self._last_hidden)), new)
+        # Join the running requests: slots [n, n + k), moved down if requests finished while it prefilled.
+        n = len(self.running)
+        for i in range(k):
+            if start + i != n + i:
+                self._move(start + i, n + i)
+        self.running.extend(new)
+        self.cohort, self._last_hidden, self._cohort_stage = [], [], 0
+        return int(real.sum()), list(zip(new, tokens))
+
+    def prefill(self, new: list[Request]) -> list[int]:
+        """Admit `new` and prefill it whole (all chunks) now; returns the first tokens, in the order of `new`."""
+        self.start_cohort(new)
+        done: list[tuple[Request, int]] = []
+        while not done:
+            done = self.prefill_step()[1]
+        self.fit(exact=True)  # back to the reservations once long prompts were staged and compressed
+        return [t for _, t in done]
+
+    # ------------------------------------------------------------------------------------ decode
+    def decode(self) -> list[int]:
+        """One decode step over every running request; returns the next token of each."""
+        device = self.store.device
+        B = len(self.running)
+        last = torch.tensor([r.output_ids[-1] for r in self.running])
+        ids = to_device(last[:, None], device)
+        positions = to_device(torch.tensor([[r.next_position] for r in self.running]), device)
+        if self.steering is not None:
+            self.steering.prepare(last, [r.state for r in self.running])
+        hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
+        held = self._note_memory(0, self.running, decoding=True)
+        if self.need_hidden:
+            for i, r in enumerate(self.running):
+                r.policy.observe(r.state, ids[i], hidden[i])
+        tokens = sample(self._logits(hidden[:, -1]), self.running)
+        self.compress([(i, r) for i, (r, n) in enumerate(zip(self.running, held)) if r.policy.should_compress(n, False)],
+                      is_prefill=False)
+        return tokens
 
     @property
     def pad_id(self) -> int:
@@ -147,49 +232,51 @@ class ModelRunner:
         return int(pad if pad is not None else 0)
 
     # ------------------------------------------------------------------------------------ compression
-    def compress(self, rows: list[int], is_prefill: bool) -> None:
-        """Bring each slot in `rows` down to the budget. Per layer, rows of equal length are scored together;
-        a model-wide policy sees every layer of one row at once (rows split the budget differently)."""
+    def compress(self, rows: list[tuple[int, Request]], is_prefill: bool) -> None:
+        """Bring each (slot, request) in `rows` down to its budget. Per layer, rows of equal length and policy (a
+        request may run a lower budget than the engine's policy) are scored together; a model-wide policy sees
+        every layer of one row at once (rows split the budget differently)."""
         if not rows:
             return
         t0 = time.perf_counter()
         if self.policy.model_wide:
-            done = [s for s in rows if self._compress_model_wide(s, is_prefill)]
+            done = [(s, r) for s, r in rows if self._compress_model_wide(s, r, is_prefill)]
         else:
             done = rows
             for l in range(self.store.num_layers):
-                by_len: dict[int, list[int]] = {}
-                for s in rows:
-                    by_len.setdefault(int(self.store.lengths[l, s]), []).append(s)
-                for n, group in by_len.items():
-                    slots = torch.tensor(group, device=self.store.device)
-                    states = [self.running[s].state for s in group]
-                    self.store.compact(l, slots, self.policy.select(self._observe(l, slots, n, is_prefill, states)))
+                groups: dict[tuple[int, Policy], list[tuple[int, Request]]] = {}
+                for s, r in rows:
+                    groups.setdefault((int(self.store.lengths[l, s]), r.policy), []).append((s, r))
+                for (n, policy), group in groups.items():
+                    host_slots = torch.tensor([s for s, _ in group])
+                    slots = to_device(host_slots, self.store.device)
+                    states = [r.state for _, r in group]
+                    self.store.compact(l, host_slots, policy.select(self._observe(policy, l, slots, n, is_prefill, states)))
         share = (time.perf_counter() - t0) / len(rows)
         if self.trace:  # outside the timing: compress_seconds is the same with or without tracing
             self._record_trace(rows)
-        for s in rows:
-            self.running[s].compress_seconds += share
-        for s in done:
-            self.running[s].compressions += 1
+        self.compressions += len(done)
+        for _, r in rows:
+            r.compress_seconds += share
+        for _, r in done:
+            r.compressions += 1
 
-    def _compress_model_wide(self, s: int, is_prefill: bool) -> bool:
+    def _compress_model_wide(self, s: int, r: Request, is_prefill: bool) -> bool:
         """One row through `policy.select_model_wide`; False when it kept everything (nothing evicted)."""
-        slots = torch.tensor([s], device=self.store.device)
-        states = [self.running[s].state]
-        obs = [self._observe(l, slots, int(self.store.lengths[l, s]), is_prefill, states)
+        host_slots = torch.tensor([s])
+        slots = to_device(host_slots, self.store.device)
+        obs = [self._observe(r.policy, l, slots, int(self.store.lengths[l, s]), is_prefill, [r.state])
                for l in range(self.store.num_layers)]
-        keeps = self.policy.select_model_wide(obs)
+        keeps = r.policy.select_model_wide(obs)
         if keeps is None:
             return False
         for l, keep in enumerate(keeps):
-            self.store.compact(l, slots, keep)
+            self.store.compact(l, host_slots, keep)
         return True
 
-    def _record_trace(self, slots: list[int]) -> None:
-        """Tracing only: note what each of `slots` holds right after its compression (before the count moves)."""
-        for s in slots:
-            r = self.running[s]
+    def _record_trace(self, rows: list[tuple[int, Request]]) -> None:
+        """Tracing only: note what each row holds right after its compression (before the count moves)."""
+        for s, r in rows:
             if r.trace is None:
                 r.trace = RequestTrace(self.store.num_layers, self.store.num_kv_heads,
                                        r.prompt_len + r.sampling.max_new_tokens)
@@ -199,37 +286,52 @@ class ModelRunner:
                              dtype=torch.int32, device=self.store.device)
             for l, p in enumerate(self.store.pos):
                 pos[l, :, : int(lengths[l])] = p[s, :, : int(lengths[l])]
-            r.trace.record(pos, lengths, len(r.output_ids), self.policy.trace_state(r.state))
+            r.trace.record(pos, lengths, len(r.output_ids), r.policy.trace_state(r.state))
 
     def trace_result(self, r: Request) -> dict:
         """Tracing only: the finished request's JSON-able trace (token texts, compressions, final policy state)."""
         t = r.trace or RequestTrace(self.store.num_layers, self.store.num_kv_heads, r.prompt_len + len(r.output_ids))
         return t.to_json(token_texts(self.tokenizer, r.prompt_ids), token_texts(self.tokenizer, r.output_ids),
-                         self.policy.trace_state(r.state))
+                         r.policy.trace_state(r.state))
 
-    def _observe(self, layer: int, slots: torch.Tensor, n: int, is_prefill: bool, states: list) -> Observation:
+    def _observe(self, policy: Policy, layer: int, slots: torch.Tensor, n: int, is_prefill: bool,
+                 states: list) -> Observation:
         queries = None
         if self.queries is not None:
             seen = int((self.queries.qpos[slots] >= 0).sum(dim=-1).min())
-            queries = self.queries.recent(layer, slots, min(self.policy.query_window, seen))
+            queries = self.queries.recent(layer, slots, min(policy.query_window, seen))
         attn = self.store.aux["attn"][layer][slots, :, :n] if "attn" in self.store.aux else None
         return Observation(layer=layer, keys=self.store.k[layer][slots, :, :n], values=self.store.v[layer][slots, :, :n],
                            positions=self.store.pos[layer][slots, :, :n], queries=queries, attn=attn,
                            module=self.layers[layer].self_attn, is_prefill=is_prefill, states=states)
 
     # ------------------------------------------------------------------------------------ slots
+    def _move(self, src: int, dst: int) -> None:
+        for buf in (self.store, self.queries):
+            if buf is not None:
+                buf.move(src, dst)  # also clears `src`
+
+    def _clear(self, slot: int) -> None:
+        for buf in (self.store, self.queries):
+            if buf is not None:
+                buf.clear(slot)
+
     def release(self, finished: list[Request]) -> None:
-        """Drop finished requests, moving the last running ones into their slots."""
+        """Drop finished (or aborted) requests, running or still prefilling, keeping each group contiguous:
+        the last request of its group moves into the freed slot."""
         for r in finished:
-            slot = self.running.index(r)
-            r.layer_kv_tokens = self.store.lengths[:, slot].tolist()
-            last = len(self.running) - 1
-            for buf in (self.store, self.queries):
-                if buf is None:
-                    continue
-                if last != slot:
-                    buf.move(last, slot)  # also clears `last`
-                else:
-                    buf.clear(slot)
-            self.running[slot] = self.running[last]
-            self.running.pop()
+            group, base = (self.running, 0) if any(x is r for x in self.running) else (self.cohort, self.cohort_start)
+            i = next(j for j, x in enumerate(group) if x is r)
+            r.layer_kv_tokens = self.store.lengths[:, base + i].tolist()
+            last = len(group) - 1
+            if last != i:
+                self._move(base + last, base + i)
+            else:
+                self._clear(base + i)
+            if group is self.cohort:
+                self._last_hidden[i] = self._last_hidden[last]
+                self._last_hidden.pop()
+            group[i] = group[last]
+            group.pop()
+        if not self.cohort:
+            self._last_hidden, self._cohort_stage = [], 0

@@ -55,7 +55,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "budget": budget, "budget_ratio": args.budget_ratio, "reference": args.reference, "limit": args.limit,
         "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-        "prefill_chunk": args.prefill_chunk, "prompt_style": args.prompt_style, "dtype": args.dtype,
+        "prefill_chunk": args.prefill_chunk, "kv_memory": args.kv_memory, "prompt_style": args.prompt_style,
+        "dtype": args.dtype,
         "device": args.device,
     }
     cfg = EvalConfig(
@@ -77,7 +78,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from skipkv.engine.cli import add_policy_args
+    from skipkv.engine.cli import add_policy_args, kv_memory_arg
     from skipkv.eval.sandbox import ISOLATION_LEVELS
     from skipkv.eval.datasets import dataset_names
     from skipkv.eval.prompts import STYLES
@@ -105,6 +106,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, help=f"default {d['batch_size']}")
     p.add_argument("--prefill-chunk", type=int,
                    help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
+    p.add_argument("--kv-memory", type=kv_memory_arg, help="KV cache memory cap, e.g. 2GiB (default: no cap)")
     p.add_argument("--prompt-style", choices=STYLES, help=f"default {d['prompt_style']}")
     p.add_argument("--dtype", help=f"default {d['dtype']}")
     p.add_argument("--device", help=f"default {d['device']}")

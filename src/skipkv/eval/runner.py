@@ -20,8 +20,9 @@ directory is used again; any difference is a SkipKVError, so one directory never
   budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
   sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
   grader                         {name, + its settings}
-  engine                         EngineConfig minus batch_size (plus batch_size for 16-bit dtypes, see below)
-Not compared: execution {limit, samples, batch_size, out, reference_dir} — a larger --limit or more
+  engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
+                                 16-bit dtypes, see below)
+Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
 --samples extends a run, and in fp32/fp64 batch size does not change tokens (the engine's batch == singles
 invariant; in bf16/fp16 a padded row rounds differently, so there batch_size is compared) —
 and environment {git_revision, git_dirty, versions, machine, created}.
@@ -134,6 +135,8 @@ class EvalConfig:
     max_new_tokens: int | None = knob(None, "None: the dataset's default", kind=int, gt=0)
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
+    kv_memory: int = knob(_ENGINE.kv_memory, "KV memory cap in bytes (0 = none; execution only: it does not "
+                          "change tokens)", ge=0)
     prompt_style: str = knob("chat", "chat template or raw text", choices=prompts.STYLES)
     dtype: str = field(default_factory=lambda: _load_model_default("dtype"))
     device: str = field(default_factory=lambda: _load_model_default("device"))
@@ -462,11 +465,13 @@ def run_eval(cfg: EvalConfig) -> Path:
             "budget_ratio": cfg.budget_ratio,
             "budget_reference": {"mean_generated_tokens": ref_mean} if ref_mean is not None else None,
             "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(grader)},
-            "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items() if k != "batch_size"}
+            "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
+                       if k not in ("batch_size", "kv_memory", "prefill_budget")}
             | {"prefill_chunk": cfg.prefill_chunk}
             # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it.
             | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {}),
             "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
+                          "kv_memory": cfg.kv_memory,
                           "out": str(out), "reference_dir": cfg.reference},
             "environment": _environment(), "config_version": CONFIG_VERSION,
         })
@@ -549,7 +554,7 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                 bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
-                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk),
+                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory),
                      on_result=finished, progress=False, trace=cfg.trace)
     finally:
         bar.close()

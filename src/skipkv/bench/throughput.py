@@ -1,0 +1,398 @@
+"""Throughput under a KV memory cap: how many requests each policy runs at once, and the tokens/s that buys.
+
+    skipkv bench throughput --model random:qwen2:0.5b --workload synthetic:128x512 --requests 32 \\
+        --kv-memory 48MiB --policies full,rkv --budget 64 --interval 32 --out docs/bench_throughput_quick.json
+    skipkv bench throughput --model qwen2.5-coder-0.5b-instruct --workload gsm8k --requests 8 \\
+        --max-new-tokens 128 --policies full --batch-sweep 1,8 --hf-reference
+
+Workloads: `synthetic:PROMPTxOUTPUT` (random-token prompts of PROMPT tokens, exactly OUTPUT tokens each,
+`ignore_eos`, as R-KV's 128-in/16K-out table) or `gsm8k` (the eval harness's prompts, greedy, real stops,
+so shorter chains count). All `--requests` are submitted at once.
+
+For each policy under the same `--kv-memory` (admission by reservation, see skipkv/engine/scheduler.py) the
+engine runs every request to the end; reported: generated tokens/s and requests/s over the wall time, the
+batch it reached (most requests holding a slot at once: the *transition batch*), the peak of the store's
+allocated bytes (never above the cap) and of the bytes held, time to first token (median) and per-token
+latency (gap between two tokens of one request, p50/p99 over all gaps), and the share of the time spent
+compressing. `--batch-sweep 1,2,4` runs each policy without a cap on the first B requests at batch B, to show
+where tokens/s stops growing (saturation: the first batch after which it grows by less than 10%).
+`--hf-reference` runs transformers' own `generate` (full cache, static batches, same prompts and lengths)
+in the same process: at each sweep batch, and for the capped run at the batch the full cache reached.
+`--max-seconds S` cuts each engine run after S seconds (steady-state rates for long outputs on a device
+with a time budget; transformers' generate has no such cut, so it is not combined with --hf-reference).
+Runs are sequential, so on a shared machine compare ratios from one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from skipkv.config import EngineConfig, SamplingParams
+from skipkv.errors import SkipKVError
+
+SATURATION_GAIN = 1.10  # a batch "still scales" while the next one brings >= 10% more tokens/s
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    sampling: list[SamplingParams]
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    tokens_per_s: float
+    requests_per_s: float
+    max_batch: int  # most requests holding a slot at once (the transition batch under a cap)
+    peak_kv_bytes: int  # peak of the store's allocated bytes
+    peak_kv_held_bytes: int
+    ttft_p50: float  # seconds
+    tpot_p50: float  # seconds between two tokens of one request
+    tpot_p99: float
+    compress_share: float  # compression time / wall time (requests cut by --max-seconds not counted)
+    generated_tokens: int
+    requests: int  # finished (all, unless --max-seconds cut the run)
+    wall_s: float
+    steps: int
+    batch_size: int  # the cap given to the engine
+    kv_memory: int
+
+
+@dataclass
+class HFRun:
+    batch: int
+    tokens_per_s: float
+    generated_tokens: int
+    requests: int
+    wall_s: float
+
+
+@dataclass
+class SweepPoint:
+    policy: str
+    batch: int
+    tokens_per_s: float
+    hf_tokens_per_s: float | None = None
+
+
+@dataclass
+class Report:
+    model: str
+    dtype: str
+    workload: str
+    requests: int
+    kv_memory: int
+    policies: list[PolicyRun] = field(default_factory=list)
+    hf_reference: HFRun | None = None
+    sweep: list[SweepPoint] = field(default_factory=list)
+    saturation_batch: dict[str, int] = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+    table: str = ""
+
+
+# --------------------------------------------------------------------------------------------- workloads
+def parse_workload(spec: str) -> tuple[str, int, int]:
+    """'synthetic:128x512' -> ('synthetic', 128, 512); 'gsm8k' -> ('gsm8k', 0, 0)."""
+    if spec == "gsm8k":
+        return "gsm8k", 0, 0
+    m = re.fullmatch(r"synthetic:(\d+)x(\d+)", spec)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise SkipKVError(f"workload must be synthetic:PROMPTxOUTPUT (e.g. synthetic:128x512) or gsm8k, got {spec!r}")
+    return "synthetic", int(m.group(1)), int(m.group(2))
+
+
+def make_workload(spec: str, bundle, n: int, seed: int = 0, max_new_tokens: int | None = None) -> Workload:
+    kind, prompt_len, out_len = parse_workload(spec)
+    if kind == "synthetic":
+        tok = bundle.tokenizer
+        special = set(tok.all_special_ids)
+        vocab = [i for i in range(min(len(tok), bundle.config.vocab_size)) if i not in special]
+        rng = random.Random(seed)
+        prompts = [[rng.choice(vocab) for _ in range(prompt_len)] for _ in range(n)]
+        sp = SamplingParams(max_new_tokens=max_new_tokens or out_len, ignore_eos=True)
+        return Workload(spec, prompts, [sp] * n)
+    from skipkv.eval import prompts as eval_prompts
+    from skipkv.eval.datasets import data_request, get_dataset
+
+    dataset = get_dataset("gsm8k")
+    style = "chat" if getattr(bundle.tokenizer, "chat_template", None) else "raw"
+    examples = dataset.load(data_request({}, bundle.tokenizer, style))[:n]
+    if len(examples) < n:
+        raise SkipKVError(f"gsm8k has {len(examples)} examples; asked for {n} requests")
+    ids = [eval_prompts.encode(bundle.tokenizer, eval_prompts.render(bundle.tokenizer, ex, style), style) for ex in examples]
+    stop = dataset.raw_stop if style == "raw" else ()
+    sp = SamplingParams(max_new_tokens=max_new_tokens or dataset.max_new_tokens, stop=stop)
+    return Workload(spec, ids, [sp] * n)
+
+
+# --------------------------------------------------------------------------------------------- runs
+def _percentile(values: list[float], q: float) -> float:
+    from skipkv.engine.request import percentile
+
+    return percentile(values, q) if values else 0.0
+
+
+def run_engine(bundle, policy, work: Workload, config: EngineConfig, name: str,
+               max_seconds: float | None = None) -> PolicyRun:
+    """Submit every request of `work` at once and step the engine until all are done (or, with
+    `max_seconds`, until that much time passed: the rest is aborted and the rates cover the window)."""
+    from skipkv.engine import Engine
+
+    eng = Engine(bundle, policy, config)
+    try:
+        t0 = time.perf_counter()
+        ids = [eng.add_request(p, sp) for p, sp in zip(work.prompts, work.sampling)]
+        last: dict[str, float] = {}
+        ttft: list[float] = []
+        gaps: list[float] = []
+        results = []
+        generated = max_batch = peak_alloc = peak_held = steps = 0
+        while eng.has_unfinished():
+            out = eng.step()
+            now = time.perf_counter()
+            steps += 1
+            generated += len(out.new_tokens)
+            for rid, _ in out.new_tokens:
+                if rid in last:
+                    gaps.append(now - last[rid])
+                else:
+                    ttft.append(now - t0)  # every request was submitted at t0
+                last[rid] = now
+            s = out.stats
+            max_batch = max(max_batch, s.running)
+            peak_alloc = max(peak_alloc, s.kv_allocated_bytes)
+            peak_held = max(peak_held, s.kv_held_bytes)
+            results += out.finished
+            if max_seconds is not None and now - t0 > max_seconds:
+                break
+        wall = time.perf_counter() - t0
+        for rid in ids:
+            eng.abort(rid)  # whatever the time limit left running
+    finally:
+        eng.close()
+    return PolicyRun(policy=name, tokens_per_s=generated / wall, requests_per_s=len(results) / wall,
+                     max_batch=max_batch, peak_kv_bytes=peak_alloc, peak_kv_held_bytes=peak_held,
+                     ttft_p50=_percentile(ttft, 0.5), tpot_p50=_percentile(gaps, 0.5), tpot_p99=_percentile(gaps, 0.99),
+                     compress_share=sum(r.compress_seconds for r in results) / wall, generated_tokens=generated,
+                     requests=len(results), wall_s=wall, steps=steps, batch_size=config.batch_size,
+                     kv_memory=config.kv_memory)
+
+
+def run_hf(bundle, work: Workload, batch: int) -> HFRun:
+    """transformers' `generate` (full cache, greedy) over `work` in static batches of `batch`, left-padded.
+    Generated tokens count each row up to its first EOS (inclusive, as the engine counts) or max_new_tokens."""
+    from skipkv.engine import eos_ids
+
+    tok, model = bundle.tokenizer, bundle.model
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    eos = sorted(eos_ids(bundle))
+    generated = 0
+    t0 = time.perf_counter()
+    for b0 in range(0, len(work.prompts), batch):
+        rows = work.prompts[b0:b0 + batch]
+        sp = work.sampling[b0]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=bundle.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=bundle.device)
+        extra = {"min_new_tokens": sp.max_new_tokens} if sp.ignore_eos else {}
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=sp.max_new_tokens, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=eos or None, temperature=None, top_p=None,
+                                 top_k=None, **extra)
+        for row in out[:, width:].tolist():
+            n = len(row)
+            if not sp.ignore_eos:
+                n = next((i + 1 for i, t in enumerate(row) if t in eos), n)
+            generated += n
+    wall = time.perf_counter() - t0
+    return HFRun(batch=batch, tokens_per_s=generated / wall, generated_tokens=generated, requests=len(work.prompts),
+                 wall_s=wall)
+
+
+def saturation(points: list[SweepPoint]) -> int:
+    """The first batch after which tokens/s grows by less than SATURATION_GAIN (the largest if it never stops)."""
+    pts = sorted(points, key=lambda p: p.batch)
+    for a, b in zip(pts, pts[1:]):
+        if b.tokens_per_s < SATURATION_GAIN * a.tokens_per_s:
+            return a.batch
+    return pts[-1].batch
+
+
+# --------------------------------------------------------------------------------------------- report
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
+
+
+def format_table(rep: Report) -> str:
+    lines = []
+    if rep.policies:
+        cap = human_bytes(rep.kv_memory) if rep.kv_memory else "none"
+        lines += [f"{rep.workload}, {rep.requests} requests, KV memory cap {cap}", "",
+                  "| policy | tokens/s | requests/s | batch reached | saturates at | peak KV alloc MiB | peak KV held MiB "
+                  "| TTFT p50 s | TPOT p50 ms | TPOT p99 ms | compress share |", "|" + "---|" * 11]
+        for r in rep.policies:
+            sat = rep.saturation_batch.get(r.policy)
+            lines.append(f"| {r.policy} | {r.tokens_per_s:.1f} | {r.requests_per_s:.3f} | {r.max_batch} | "
+                         f"{sat if sat is not None else '-'} | {r.peak_kv_bytes / 2**20:.1f} | "
+                         f"{r.peak_kv_held_bytes / 2**20:.1f} | {r.ttft_p50:.2f} | {1000 * r.tpot_p50:.1f} | "
+                         f"{1000 * r.tpot_p99:.1f} | {100 * r.compress_share:.1f}% |")
+        if rep.hf_reference:
+            h = rep.hf_reference
+            lines.append(f"| transformers generate (full, batch {h.batch}) | {h.tokens_per_s:.1f} | "
+                         f"{h.requests / h.wall_s:.3f} | {h.batch} | - | - | - | - | - | - | - |")
+        base = {r.policy: r.tokens_per_s for r in rep.policies}.get("full")
+        if base:
+            lines += [""] + [f"{r.policy}: {r.tokens_per_s / base:.2f}x full's tokens/s" for r in rep.policies
+                             if r.policy != "full"]
+    if rep.sweep:
+        lines += ["", "batch sweep (no memory cap; B requests at batch B)", "",
+                  "| policy | batch | tokens/s | transformers generate tokens/s | engine / transformers |",
+                  "|---|---|---|---|---|"]
+        for p in rep.sweep:
+            hf = f"{p.hf_tokens_per_s:.1f}" if p.hf_tokens_per_s else "-"
+            ratio = f"{p.tokens_per_s / p.hf_tokens_per_s:.2f}" if p.hf_tokens_per_s else "-"
+            lines.append(f"| {p.policy} | {p.batch} | {p.tokens_per_s:.1f} | {hf} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rep: Report, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    panels = int(bool(rep.policies)) + int(bool(rep.sweep))
+    fig = Figure(figsize=(5.5 * panels, 4))
+    axes = [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+    if rep.policies:
+        ax = axes.pop(0)
+        names = [r.policy for r in rep.policies] + (["hf generate"] if rep.hf_reference else [])
+        vals = [r.tokens_per_s for r in rep.policies] + ([rep.hf_reference.tokens_per_s] if rep.hf_reference else [])
+        batches = [r.max_batch for r in rep.policies] + ([rep.hf_reference.batch] if rep.hf_reference else [])
+        bars = ax.bar(names, vals, color=["C%d" % i for i in range(len(names))])
+        for bar, b in zip(bars, batches):
+            ax.annotate(f"batch {b}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+        cap = f"{human_bytes(rep.kv_memory)} KV" if rep.kv_memory else "no KV cap"
+        ax.set_title(f"{rep.workload}, {rep.requests} requests, {cap}", fontsize=9)
+        ax.set_ylabel("generated tokens/s")
+    if rep.sweep:
+        ax = axes.pop(0)
+        for i, name in enumerate(dict.fromkeys(p.policy for p in rep.sweep)):
+            pts = [p for p in rep.sweep if p.policy == name]
+            ax.plot([p.batch for p in pts], [p.tokens_per_s for p in pts], marker="o", color=f"C{i}", label=name)
+            hf = [p for p in pts if p.hf_tokens_per_s]
+            if hf and i == 0:
+                ax.plot([p.batch for p in hf], [p.hf_tokens_per_s for p in hf], marker="x", linestyle="--",
+                        color="gray", label="transformers generate")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (no memory cap)")
+        ax.set_ylabel("generated tokens/s")
+        ax.set_title("tokens/s vs batch", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def check_writable(path: str | None) -> None:
+    """Fail before any work if `path` cannot be written (the run may take hours)."""
+    if not path:
+        return
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise SkipKVError(f"--out {path} is a directory; give a file name")
+    if parent.exists() and not parent.is_dir():
+        raise SkipKVError(f"--out {path}: {parent} is not a directory")
+    if not parent.exists():
+        try:
+            parent.mkdir(parents=True)
+        except OSError as exc:
+            raise SkipKVError(f"--out {path}: cannot create {parent}: {exc.strerror}") from None
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise SkipKVError(f"--out {path} is not writable")
+
+
+def machine() -> dict:
+    from skipkv.bench.decode import machine as m
+
+    info = m()
+    if torch.cuda.is_available():
+        info["cuda"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_memory: int, knobs: dict,
+              batch_size: int | None = None, batch_sweep: list[int] | None = None, hf_reference: bool = False,
+              max_new_tokens: int | None = None, prefill_chunk: int = 0, prefill_budget: int = 0,
+              dtype: str = "bf16", device: str | None = None, seed: int = 0, out: str | None = None,
+              plot_path: str | None = None, max_seconds: float | None = None, bundle=None) -> Report:
+    from skipkv.models import load_model
+    from skipkv.policies import make_policy
+
+    # Everything cheap is validated before the model loads.
+    parse_workload(workload)
+    check_writable(out)
+    check_writable(plot_path)
+    made = {n: make_policy(n, **({} if n == "full" else {k: v for k, v in knobs.items() if v is not None}))
+            for n in policies}
+    sweep = sorted(set(batch_sweep or []))
+    if sweep and max(sweep) > requests:
+        raise SkipKVError(f"--batch-sweep goes up to {max(sweep)} but --requests is {requests}")
+    engine_cfg = EngineConfig(batch_size=batch_size or requests, prefill_chunk=prefill_chunk,
+                              prefill_budget=prefill_budget, kv_memory=kv_memory)
+    if bundle is None:
+        bundle = load_model(model, dtype=dtype, **({"device": device} if device else {}))
+    work = make_workload(workload, bundle, requests, seed, max_new_tokens)
+    # Warm-up (kernels, allocator, first-call paths) so the first policy measured is not penalised.
+    run_engine(bundle, next(iter(made.values())), Workload("warmup", [p[:16] for p in work.prompts[:2]],
+               [SamplingParams(max_new_tokens=4, ignore_eos=True)] * min(2, requests)), EngineConfig(), "warmup")
+    rep = Report(model=model, dtype=dtype, workload=workload, requests=requests, kv_memory=kv_memory,
+                 config={"policies": {n: asdict(p) for n, p in made.items()}, "engine": asdict(engine_cfg),
+                         "max_new_tokens": work.sampling[0].max_new_tokens, "seed": seed, "batch_sweep": sweep,
+                         "max_seconds": max_seconds,
+                         "device": str(bundle.device)},
+                 machine=machine())
+    if kv_memory or not sweep:
+        for name, policy in made.items():
+            r = run_engine(bundle, policy, work, engine_cfg, name, max_seconds)
+            print(f"{name}: {r.tokens_per_s:.1f} tokens/s, batch reached {r.max_batch}, "
+                  f"peak KV {r.peak_kv_bytes / 2**20:.1f} MiB, {r.wall_s:.1f} s", flush=True)
+            rep.policies.append(r)
+        if hf_reference:
+            full = next((r for r in rep.policies if r.policy == "full"), None)
+            rep.hf_reference = run_hf(bundle, work, full.max_batch if full else engine_cfg.batch_size)
+            print(f"transformers generate: {rep.hf_reference.tokens_per_s:.1f} tokens/s at batch "
+                  f"{rep.hf_reference.batch}", flush=True)
+    for name, policy in made.items():
+        for b in sweep:
+            sub = Workload(work.name, work.prompts[:b], work.sampling[:b])
+            r = run_engine(bundle, policy, sub, EngineConfig(batch_size=b, prefill_chunk=prefill_chunk,
+                                                             prefill_budget=prefill_budget), name, max_seconds)
+            point = SweepPoint(name, b, r.tokens_per_s)
+            if hf_reference and name == policies[0]:
+                point.hf_tokens_per_s = run_hf(bundle, sub, b).tokens_per_s
+            print(f"{name} batch {b}: {r.tokens_per_s:.1f} tokens/s"
+                  + (f" (transformers {point.hf_tokens_per_s:.1f})" if point.hf_tokens_per_s else ""), flush=True)
+            rep.sweep.append(point)
+        if sweep:
+            rep.saturation_batch[name] = saturation([p for p in rep.sweep if p.policy == name])
+    rep.table = format_table(rep)
+    print(rep.table)
+    if out:
+        Path(out).write_text(json.dumps(asdict(rep), indent=2))
+    if plot_path or out:
+        path = Path(plot_path) if plot_path else Path(out).with_suffix(".png")
+        plot(rep, path)
+        print(f"wrote {out or ''} {path}".strip())
+    return rep
