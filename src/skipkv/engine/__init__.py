@@ -65,7 +65,7 @@ def _finish_reason(tokenizer, r: Request) -> str | None:
     return None
 
 
-def _result(tokenizer, r: Request) -> RequestResult:
+def _result(tokenizer, r: Request, policy: Policy) -> RequestResult:
     out = r.output_ids
     if r.finish_reason == "eos":
         out = out[:-1]
@@ -78,7 +78,7 @@ def _result(tokenizer, r: Request) -> RequestResult:
                          peak_kv_bytes=r.peak_kv_bytes, decode_peak_kv_tokens=r.decode_peak_kv_tokens,
                          decode_peak_kv_bytes=r.decode_peak_kv_bytes, compressions=r.compressions,
                          compress_seconds=r.compress_seconds, seconds=time.perf_counter() - r.started,
-                         finish_reason=r.finish_reason or "length")
+                         finish_reason=r.finish_reason or "length", extra=dict(policy.stats(r.state)))
 
 
 def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
@@ -111,7 +111,8 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
              steering: Callable[[object], ResidualAdd] | None = None) -> list[RequestResult]:
     """Generate a completion for every prompt; results come back in prompt order.
 
-    steering: a factory taking the model and returning a `ResidualAdd` hook (removed when generation ends).
+    steering: a factory taking the model and returning a `ResidualAdd` hook (removed when generation ends);
+    without one, the policy's own `steering_hook` (if any) is used.
     """
     policy = policy or make_policy("full")
     engine = engine or EngineConfig()
@@ -120,7 +121,7 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
         return []
     results: list[RequestResult | None] = [None] * len(requests)
     scheduler = Scheduler(requests, engine.batch_size, engine.group_by_length)
-    hook = steering(bundle.model) if steering is not None else None
+    hook = steering(bundle.model) if steering is not None else policy.steering_hook(bundle)
     runner = ModelRunner(bundle, policy, num_slots=min(engine.batch_size, len(requests)),
                          prefill_chunk=engine.prefill_chunk, steering=hook)
     bar = None
@@ -146,7 +147,7 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
                         finished.append(r)
                 runner.release(finished)
                 for r in finished:
-                    res = results[r.index] = _result(bundle.tokenizer, r)
+                    res = results[r.index] = _result(bundle.tokenizer, r, policy)
                     if on_result is not None:
                         on_result(res)
                     if bar is not None:

@@ -111,6 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.json:
             row = dataclasses.asdict(r)
             row.pop("token_ids")
+            row.update(row.pop("extra"))  # the policy's own figures, flat (e.g. flagged_sentences)
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
     results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)

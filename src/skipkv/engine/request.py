@@ -26,6 +26,7 @@ class RequestResult:
     compress_seconds: float
     seconds: float  # from admission to finish
     finish_reason: str  # "eos" | "length" | "stop"
+    extra: dict = field(default_factory=dict)  # the policy's per-request figures (Policy.stats), e.g. flagged_sentences
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list

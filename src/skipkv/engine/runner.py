@@ -103,7 +103,8 @@ class ModelRunner:
                     last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
                 if self.need_hidden and real[i] > 0:
                     self.policy.observe(r.state, ids[i, c0:c0 + int(real[i])], hidden[i, : int(real[i])])
-            self.compress([start + i for i, n in enumerate(held) if self.policy.should_compress(n, True)], is_prefill=True)
+            self.compress([start + i for i, n in enumerate(held) if self.policy.should_compress(n, True, new[i].state)],
+                          is_prefill=True)
         self.store.resize(max(self.target_capacity(), int(self.store.lengths.max())))
         return sample(self._logits(torch.stack(last_hidden)), new)
 
@@ -121,7 +122,8 @@ class ModelRunner:
             for i, r in enumerate(self.running):
                 self.policy.observe(r.state, ids[i], hidden[i])
         tokens = sample(self._logits(hidden[:, -1]), self.running)
-        self.compress([i for i, n in enumerate(held) if self.policy.should_compress(n, False)], is_prefill=False)
+        self.compress([i for i, n in enumerate(held) if self.policy.should_compress(n, False, self.running[i].state)],
+                      is_prefill=False)
         return tokens
 
     @property
@@ -141,6 +143,7 @@ class ModelRunner:
         for n, group in by_len.items():
             slots = torch.tensor(group, device=self.store.device)
             states = [self.running[s].state for s in group]
+            self.policy.before_compress(states, is_prefill)  # once per compression, not per layer
             keeps = [self.policy.select(self._observe(l, slots, n, is_prefill, states))
                      for l in range(self.store.num_layers)]
             for l, keep in enumerate(keeps):
