@@ -34,6 +34,8 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   staging before its compression included), decode_peak_kv_tokens, decode_peak_kv_bytes (peaks over decode
   steps only), compressions, compress_seconds, seconds
   finish_reason                  "eos" | "length" | "stop"
+  + policy stats, flat           what the policy reports per request (Policy.stats), e.g. sentences,
+                                 check_sentences, flagged_sentences (skipkv), steered_tokens (with steering)
   budget                         the KV budget this request ran under (null for a policy that keeps everything)
   session, finished_at           unix time the generating process started generating / this record finished
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
@@ -390,14 +392,16 @@ def run_eval(cfg: EvalConfig) -> Path:
     max_new = cfg.max_new_tokens or dataset.max_new_tokens
     stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
     out = Path(cfg.out)
+    bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
+    request = data_request(options, bundle.tokenizer, cfg.prompt_style)
+    examples = dataset.load(request)
+    if cfg.limit is not None:
+        examples = examples[:cfg.limit]
+    # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any file exists.
+    policy.check_run(bundle, cfg.dataset, [ex.id for ex in examples])
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out):
-        bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-        options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
-        request = data_request(options, bundle.tokenizer, cfg.prompt_style)
-        examples = dataset.load(request)
-        if cfg.limit is not None:
-            examples = examples[:cfg.limit]
         # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
         rendered: dict[str, tuple[str, list[int]]] = {}
         for ex in examples:
@@ -482,9 +486,10 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                     "finish_reason": result.finish_reason, "budget": budget, "session": session,
                     "finished_at": time.time(),
                 }
-                clash = CORE_RECORD_KEYS & set(job.example.meta)
+                clash = CORE_RECORD_KEYS & (set(job.example.meta) | set(result.extra))
                 if clash:
-                    raise SkipKVError(f"example meta key {sorted(clash)[0]!r} clashes with a record field")
+                    raise SkipKVError(f"example meta or policy stat {sorted(clash)[0]!r} clashes with a record field")
+                record.update(result.extra)  # the policy's per-request figures, e.g. flagged_sentences
                 record.update(job.example.meta)
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1

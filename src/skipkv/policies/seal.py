@@ -31,7 +31,7 @@ class SealState:
 
 @POLICIES.register("seal")
 @dataclass(frozen=True)
-class SEAL(Policy, SteeringKnobs):
+class SEAL(SteeringKnobs, Policy):
     compresses: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

@@ -68,7 +68,7 @@ class SkipKVState:
 
 @POLICIES.register("skipkv")
 @dataclass(frozen=True)
-class SkipKV(RKV, SteeringKnobs):
+class SkipKV(SteeringKnobs, RKV):
     tau: float = knob(0.95, "cosine above which the earlier of two sentences is flagged redundant", gt=0.0, le=1.0)
     sentence_weight: float = knob(1.0, "scale of the flagged-sentence penalty (1 = reference)", ge=0.0)
     delimiters: str = knob(REFERENCE_DELIMITERS, "sentence delimiter strings (space-separated, Python escapes); "

@@ -20,6 +20,8 @@ from skipkv.steering.vector import SteeringFile
 
 @dataclass(frozen=True)
 class SteeringKnobs:
+    """Mixed in BEFORE the Policy base (class P(SteeringKnobs, Policy)) so these methods win over its no-ops."""
+
     steering: str = knob("", "steering vector file (skipkv steer build); empty = no steering")
     steering_layer: int = knob(-1, "decoder layer whose residual input is steered; -1 = the file's best layer", ge=-1)
     alpha0: float = knob(-1.0, "alpha0: steering coefficient (negative pushes away from reflection/transition)")
