@@ -311,3 +311,22 @@ def test_cli_json_records_carry_sentence_stats(capsys):
         row = json.loads(line)
         assert {"flagged_sentences", "check_sentences", "sentences"} <= set(row) and "extra" not in row
         assert row["sentences"] >= 2  # the chat template's newlines close prompt sentences
+
+
+def test_results_config_expands():
+    """benchmarks/results_skipkv.yaml: per-dataset limits and per-entry budgets (analysis cells) expand as meant."""
+    from pathlib import Path
+
+    from skipkv.sweep import load_sweep
+
+    _, cells = load_sweep(Path(__file__).parent.parent / "benchmarks" / "results_skipkv.yaml")
+    limits = {(c["dataset"], c["limit"]) for c in cells}
+    assert limits == {("gsm8k", 200), ("math500", 100)}
+    by_label = {}
+    for c in cells:
+        if c["dataset"] == "gsm8k":
+            by_label.setdefault(c["name"].rsplit("-b", 1)[0] if c["budget"] else c["name"], []).append(c["budget"])
+    assert by_label["skipkv"] == by_label["rkv"] == [64, 80, 96, 128, 192]
+    assert by_label["skipkv-protect"] == by_label["rkv-protect"] == [64, 80]
+    assert by_label["skipkv-tau0.9"] == by_label["skipkv-tau0.98"] == [80]
+    assert "seal-s0" in by_label and len(cells) == 66

@@ -22,6 +22,15 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the offline real model (`skipkv
 _ENGINE_DEFAULTS = EngineConfig()
 
 
+def _bool(text: str) -> bool:
+    # argparse's type=bool would read "false" as True.
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     """--policy plus one flag per knob of any registered policy (defaults come from the policy dataclass)."""
     from skipkv.policies import POLICIES
@@ -32,7 +41,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         for knob, typ, _default, _help in POLICIES.get(name).knobs():
             seen.setdefault(knob, typ)
     for knob, typ in seen.items():
-        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=typ, default=None,
+        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=_bool if typ is bool else typ, default=None,
                        help=f"policy knob ({typ.__name__}); default: the policy's own")
 
 
