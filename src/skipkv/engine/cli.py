@@ -133,12 +133,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from skipkv.policies import POLICIES
+    from skipkv.policies import POLICIES, Policy
 
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        knobs = ", ".join(f"{k}={d!r}" for k, _t, d, _h in cls.knobs()) if cls.compresses else "(no knobs)"
+        # A policy that keeps everything ignores the budget knobs; list only its own (e.g. seal's steering).
+        base = set() if cls.compresses else {k for k, *_ in Policy.knobs()}
+        knobs = ", ".join(f"{k}={d!r}" for k, _t, d, _h in cls.knobs() if k not in base) or "(no knobs)"
         print(f"{name:14s} {doc}\n{'':14s} {knobs}")
     return 0
 
