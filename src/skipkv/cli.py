@@ -1,4 +1,4 @@
-"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench.
+"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer.
 
     skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-new-tokens 50 --json "Hello"
     skipkv policies
@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "skipkv.sweep",
     "skipkv.report.cli",
     "skipkv.bench.cli",
+    "skipkv.steering.cli",
 ]
 
 

@@ -35,8 +35,10 @@ from skipkv.errors import SkipKVError
 # Top-level YAML keys -> one-line description (used by the unknown-key error and --help epilog).
 SWEEP_KEYS: dict[str, str] = {
     "model": "model to load (hub id, folder, GGUF, recipe name or random:<family>)",
-    "datasets": "list of dataset names, or {name, label?, <dataset options>} mappings",
-    "policies": "list of policy names, or {name, label?, <policy knobs>} mappings",
+    "datasets": "list of dataset names, or {name, label?, limit?, <dataset options>} mappings (limit: this "
+                "dataset's own first-N instead of the top-level one)",
+    "policies": "list of policy names, or {name, label?, budgets?, <policy knobs>} mappings (budgets: this "
+                "entry's own token budgets instead of the top-level list)",
     "budgets": "list of KV budgets in tokens (per request, per kv head)",
     "budget_ratios": "list of KV budgets as fractions in (0, 1] (of the full-cache generation or prompt length)",
     "seeds": "list of integer sampling seeds (one run per seed)",
@@ -227,7 +229,12 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
 
     # Names, knobs and options against the registries: a typo fails now, not hours into the sweep.
     compresses: dict[str, bool] = {}
+    own_budgets: dict[str, list[int]] = {}  # a policy entry's `budgets:` replaces the top-level list for it
     for name, label, knobs in policies:
+        if "budgets" in knobs:
+            own = _list(knobs, "budgets", lambda b: _is_int(b) and b > 0, "positive integers (tokens)")
+            own_budgets[label] = list(own or [])
+            del knobs["budgets"]
         swept = sorted(SWEPT_KNOBS & set(knobs))
         if swept:
             raise SkipKVError(f"sweep: policy {label!r} sets {swept[0]!r}; list budgets at the top level instead")
@@ -237,6 +244,11 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
         if bad:
             raise SkipKVError(f"sweep: policy {name!r} has no knob {bad[0]!r}; knobs: {', '.join(sorted(known))}")
         compresses[name] = bool(cls.compresses)
+    own_limits: dict[str, int | None] = {}  # a dataset entry's `limit:` replaces the top-level one for it
+    for _, label, opts in datasets:
+        if "limit" in opts:
+            own_limits[label] = _positive_int(opts, "limit", allow_null=True)
+            del opts["limit"]
     long_context = {label: _check_dataset(name, opts) for name, label, opts in datasets}
     budgeted = [label for name, label, _ in policies if compresses[name]]
     if budgeted and not budgets and not ratios:
@@ -261,6 +273,8 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
     for ds_name, ds_label, ds_options in datasets:
         for pol_name, pol_label, knobs in policies:
             axis = budget_axis if compresses[pol_name] else [("", None, None)]
+            if compresses[pol_name] and pol_label in own_budgets:
+                axis = [(f"b{b}", b, None) for b in own_budgets[pol_label]]
             for suffix, budget, ratio in axis:
                 for seed in seed_axis:
                     name = cell_name(pol_label, suffix, seed)
@@ -280,6 +294,7 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
                         "reference": reference,
                         "seed": seed,
                         **scalars,
+                        **({"limit": own_limits[ds_label]} if ds_label in own_limits else {}),
                         "options": dict(options),
                     })
     dirs = [c["out_dir"] for c in cells]

@@ -43,6 +43,7 @@ def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingP
 
     steering: a factory taking the model and returning a `ResidualAdd` hook (removed when generation ends).
     trace: record what each compression kept (`RequestResult.trace`, engine/trace.py; for `skipkv show`).
+    Without an explicit `steering` factory, the policy's own `steering_hook` (if any) is used.
     """
     policy = policy or make_policy("full")
     requests = make_requests(bundle, list(prompts), sampling or SamplingParams(), policy)

@@ -22,6 +22,15 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the offline real model (`skipkv
 _ENGINE_DEFAULTS = EngineConfig()
 
 
+def _bool(text: str) -> bool:
+    # argparse's type=bool would read "false" as True.
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_policy_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """--policy plus one flag per knob of any registered policy (defaults come from the policy dataclass);
     knobs in `skip` are left to the caller (e.g. `eval` turns --budget-ratio into a per-example budget)."""
@@ -35,7 +44,7 @@ def add_policy_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     for knob, typ in seen.items():
         if knob in skip:
             continue
-        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=typ, default=None,
+        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=_bool if typ is bool else typ, default=None,
                        help=f"policy knob ({typ.__name__}); default: the policy's own")
 
 
@@ -139,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             row = dataclasses.asdict(r)
             row.pop("token_ids")
             row.pop("trace")  # only `generate(..., trace=True)` fills it; the JSON lines stay as they were
+            row.update(row.pop("extra"))  # the policy's own figures, flat (e.g. flagged_sentences)
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
     results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)
@@ -151,12 +161,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from skipkv.policies import POLICIES
+    from skipkv.policies import POLICIES, Policy
 
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        knobs = ", ".join(f"{k}={d!r}" for k, _t, d, _h in cls.knobs()) if cls.compresses else "(no knobs)"
+        # A policy that keeps everything ignores the budget knobs; list only its own (e.g. seal's steering).
+        base = set() if cls.compresses else {k for k, *_ in Policy.knobs()}
+        knobs = ", ".join(f"{k}={d!r}" for k, _t, d, _h in cls.knobs() if k not in base) or "(no knobs)"
         print(f"{name:14s} {doc}\n{'':14s} {knobs}")
     return 0
 

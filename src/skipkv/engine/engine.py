@@ -95,7 +95,7 @@ def make_result(tokenizer, r: Request, now: float) -> RequestResult:
                          tpot_p50_seconds=percentile(gaps, 0.5) if gaps else None,
                          tpot_p99_seconds=percentile(gaps, 0.99) if gaps else None,
                          peak_total_bytes=r.peak_total_bytes, layer_kv_tokens=list(r.layer_kv_tokens),
-                         allocated_kv_bytes=r.allocated_kv_bytes)
+                         allocated_kv_bytes=r.allocated_kv_bytes, extra=dict(r.policy.stats(r.state)))
 
 
 def check_fits(what: str, prompt_len: int, max_new_tokens: int, max_context: int) -> None:
@@ -131,7 +131,8 @@ class Engine:
         self.config = config or EngineConfig()
         if getattr(bundle.model.config, "_attn_implementation", None) == BACKEND:
             raise SkipKVError("another Engine is open on this model; close it first")
-        self.hook = steering(bundle.model) if steering is not None else None
+        # An explicit steering factory, else the policy's own hook (SkipKV / SEAL with a steering file), if any.
+        self.hook = steering(bundle.model) if steering is not None else self.policy.steering_hook(bundle)
         try:
             self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
                                       steering=self.hook, trace=trace)

@@ -74,6 +74,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(at)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+    extra: dict = field(default_factory=dict)  # the policy's per-request figures (Policy.stats), e.g. flagged_sentences
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list

@@ -182,7 +182,7 @@ class ModelRunner:
                 self._last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
             if self.need_hidden and real[i] > 0:
                 r.policy.observe(r.state, ids[i, : int(real[i])], hidden[i, : int(real[i])])
-        self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held)) if r.policy.should_compress(n, True)],
+        self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held)) if r.policy.should_compress(n, True, r.state)],
                       is_prefill=True)
         self._chunk_at = c1
         if c1 < self._cohort_len:
@@ -222,7 +222,7 @@ class ModelRunner:
             for i, r in enumerate(self.running):
                 r.policy.observe(r.state, ids[i], hidden[i])
         tokens = sample(self._logits(hidden[:, -1]), self.running)
-        self.compress([(i, r) for i, (r, n) in enumerate(zip(self.running, held)) if r.policy.should_compress(n, False)],
+        self.compress([(i, r) for i, (r, n) in enumerate(zip(self.running, held)) if r.policy.should_compress(n, False, r.state)],
                       is_prefill=False)
         return tokens
 
@@ -239,6 +239,12 @@ class ModelRunner:
         if not rows:
             return
         t0 = time.perf_counter()
+        # Per-request work that does not depend on the layer (e.g. SkipKV's sentence comparison): once per compression.
+        by_policy: dict[Policy, list] = {}
+        for _, r in rows:
+            by_policy.setdefault(r.policy, []).append(r.state)
+        for policy, states in by_policy.items():
+            policy.before_compress(states, is_prefill)
         if self.policy.model_wide:
             done = [(s, r) for s, r in rows if self._compress_model_wide(s, r, is_prefill)]
         else:

@@ -38,6 +38,8 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   finish_reason                  "eos" | "length" | "stop"
   layer_kv_tokens                entries each layer held at the end (differ per layer under LaProx / PyramidKV)
   sandbox                        code tasks: the isolation level that ran the program ("namespaces" | "unsafe-basic")
+  + policy stats, flat           what the policy reports per request (Policy.stats), e.g. sentences,
+                                 check_sentences, flagged_sentences (skipkv), steered_tokens (with steering)
   budget                         the KV budget this request ran under (null for a policy that keeps everything)
   session, finished_at           unix time the generating process started generating / this record finished
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
@@ -446,6 +448,9 @@ def run_eval(cfg: EvalConfig) -> Path:
         examples = dataset.load(request)
         if cfg.limit is not None:
             examples = examples[:cfg.limit]
+        # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any
+        # record is written; made_dir then removes the run directory it created.
+        policy.check_run(bundle, cfg.dataset, [ex.id for ex in examples])
         # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
         rendered: dict[str, tuple[str, list[int]]] = {}
         for ex in examples:
@@ -539,9 +544,10 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
                     "layer_kv_tokens": result.layer_kv_tokens,
                     "finished_at": time.time(),
                 }
-                clash = CORE_RECORD_KEYS & set(job.example.meta)
+                clash = CORE_RECORD_KEYS & (set(job.example.meta) | set(result.extra))
                 if clash:
-                    raise SkipKVError(f"example meta key {sorted(clash)[0]!r} clashes with a record field")
+                    raise SkipKVError(f"example meta or policy stat {sorted(clash)[0]!r} clashes with a record field")
+                record.update(result.extra)  # the policy's per-request figures, e.g. flagged_sentences
                 if verdict.sandbox is not None:
                     record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
                 record.update(job.example.meta)

@@ -13,7 +13,7 @@ from skipkv.registry import Registry
 POLICIES: Registry[type[Policy]] = Registry("policy")
 
 # One module per policy; importing it registers the class.
-_MODULES = ("full", "streaming_llm", "h2o", "snapkv", "rkv", "laprox", "pyramidkv")
+_MODULES = ("full", "streaming_llm", "h2o", "snapkv", "rkv", "skipkv", "seal", "laprox", "pyramidkv")
 for _m in _MODULES:
     importlib.import_module(f"skipkv.policies.{_m}")
 

@@ -99,8 +99,9 @@ class Policy:
             return min(max(self.budget + self.interval, prompt_len + 1), whole)
         return min(self.budget + self.interval, whole)
 
-    def should_compress(self, length: int, is_prefill: bool) -> bool:
-        """Compress a request that holds `length` entries now? (after prefill, or after a decode step)"""
+    def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
+        """Compress a request that holds `length` entries now? (after prefill, or after a decode step)
+        `state` is the request's policy state (for budgets that depend on the request, e.g. a protected prompt)."""
         if not self.compresses:
             return False
         if is_prefill:
@@ -115,6 +116,23 @@ class Policy:
         """Model-wide policies only: obs holds every layer of ONE request (b = 1, n_l entries in layer l).
         Returns one keep tensor [1, H, K_l] (ascending) per layer, or None when nothing is evicted."""
         raise NotImplementedError
+
+    def before_compress(self, states: list, is_prefill: bool) -> None:
+        """Called once per compression for a group of requests (their states), before any layer is scored:
+        per-request work that does not depend on the layer (e.g. SkipKV's sentence comparison)."""
+
+    def stats(self, state: object) -> dict:
+        """Per-request figures merged into the request's result (`RequestResult.extra`) when it finishes."""
+        return {}
+
+    def steering_hook(self, bundle) -> object | None:
+        """A `ResidualAdd` hook for this run (removed when generation ends), or None. Used by `generate` when
+        no explicit steering factory is given."""
+        return None
+
+    def check_run(self, bundle, dataset: str | None = None, example_ids: tuple | list = ()) -> None:
+        """Refuse, with a SkipKVError, a run this policy cannot do on this model (or on these evaluation
+        examples), before anything is generated or written. Called by the eval runner after the model loads."""
 
     def score(self, obs: Observation) -> torch.Tensor:
         """Per-token scores [b, H, n]; higher is kept. Window and sink tokens are kept whatever they score."""

@@ -201,7 +201,7 @@ class LaProx(Policy):
     def layer_capacity(self, layer: int, num_layers: int, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens  # a layer may keep its whole prompt; the runner sizes by what it kept
 
-    def should_compress(self, length: int, is_prefill: bool) -> bool:
+    def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
         if not is_prefill:
             return False
         # With a ratio the budget depends on the prompt, so every prefill (chunk) asks; the selection

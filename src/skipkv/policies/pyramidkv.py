@@ -58,7 +58,7 @@ class PyramidKV(SnapKV):
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return super().capacity(prompt_len, max_new_tokens)  # the mean layer; each layer: layer_capacity
 
-    def should_compress(self, length: int, is_prefill: bool) -> bool:
+    def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
         # `length` is the largest layer's. At prefill every layer holds the same count: compress when the
         # smallest budget is exceeded. At decode, when layer 0 (the largest budget) reaches budget + interval.
         if is_prefill:

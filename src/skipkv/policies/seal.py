@@ -1,0 +1,51 @@
+"""SEAL: steering away from reflection/transition thoughts (Chen et al., arXiv 2504.07986), full cache.
+
+    skipkv steer build --model M --dataset math500 --offset 400 --limit 20 --layers 8,12 --out v.safetensors
+    skipkv generate --model M --policy seal --steering v.safetensors "..."
+
+Adds alpha0 · v to the residual stream entering the steering layer at every "\\n\\n" token (inside
+<think>...</think> for models that think, see `steer_scope`), with v = mean(reflection ∪ transition) −
+mean(execution) built by `skipkv steer build`. This is SkipKV's steering with γ = 0 and no eviction
+(research/algorithms.md §4); the budget knobs are ignored. Departures from SEAL: the vector is built from the
+evaluated model's own greedy generations on held-apart examples (see `skipkv steer build`), not from 500
+correct + 500 incorrect MATH-train samples; the "\\n\\n" gate also fires on a newline that completes "\\n\\n"
+across two tokens (byte-level tokenizers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from skipkv.errors import SkipKVError
+from skipkv.policies import POLICIES
+from skipkv.policies.base import Policy
+from skipkv.sentences.tracker import TokenTables
+from skipkv.steering.knobs import SteeringKnobs
+
+
+@dataclass
+class SealState:
+    steer: object  # SteerState
+
+
+@POLICIES.register("seal")
+@dataclass(frozen=True)
+class SEAL(SteeringKnobs, Policy):
+    compresses: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.steering:
+            raise SkipKVError("seal needs a steering vector: --steering FILE (build one with skipkv steer build)")
+        self._check_steering_file()
+        object.__setattr__(self, "_tables", {})  # per-tokenizer lookup tables, built once per instance
+
+    def init_state(self, prompt_ids: list[int], tokenizer) -> SealState:
+        key = id(tokenizer)
+        if key not in self._tables:
+            self._tables[key] = (tokenizer, TokenTables.build(tokenizer, gate=True))
+        return SealState(self._steer_state(self._tables[key][1], prompt_ids))
+
+    def stats(self, state: SealState) -> dict:
+        return {"steered_tokens": state.steer.steered}

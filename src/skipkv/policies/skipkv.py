@@ -1,0 +1,184 @@
+"""SkipKV: sentence-level eviction + adaptive steering (Tian et al., MLSys 2026, arXiv 2512.07993).
+
+    skipkv generate --model random:qwen2 --policy skipkv --budget 64 --interval 16 --max-new-tokens 300 \\
+        --ignore-eos --json "Hi."
+    skipkv generate --model M --policy skipkv --budget 96 --steering v.safetensors "..."   # + steering
+
+Score of each older token = the R-KV score (λ·importance − (1−λ)·redundancy, see rkv.py) minus
+`sentence_weight` × the similarity of the flagged sentence holding it (research/algorithms.md §3.5–§3.7):
+- a per-request tracker (skipkv/sentences) splits the stream, prompt included, into sentences that end with a
+  delimiter token, and keeps each closed sentence's mean last-layer hidden state (normalised);
+- at each compression, once per request (`before_compress`), the sentences closed since the previous
+  compression are compared (cosine) with every earlier closed sentence; a pair above `tau` flags the EARLIER
+  sentence with that similarity. Flags accumulate over the request; a sentence flagged again keeps the
+  larger similarity (the reference overwrites it with the later one);
+- every cached entry whose true position lies in a flagged sentence loses `sentence_weight · sim`. R-KV
+  scores are ~1e-3, so with weight 1 a flagged sentence is evicted whole unless it is in the window.
+Kept indices are sorted (shared `protect_and_select`). Membership is decided from each entry's stored true
+position, so there is no generation-space → cache-space span map to keep in sync (the reference's Φ).
+
+Steering (optional, `steering` = a file from `skipkv steer build`): α·v is added to the residual input of
+`steering_layer` at "\\n\\n" tokens (see skipkv/steering/gate.py), α = alpha0 − gamma · (check sentences so far),
+recomputed at each compression (`alpha_update=compression`, the reference) or at every token
+(`alpha_update=sentence`: the count is live, so α changes as soon as a check sentence closes).
+
+`protect_prompt` (an analysis knob, default off): prompt entries are never evicted and `budget` counts generated
+tokens only. The request holds prompt_len + budget entries after each compression and up to prompt_len +
+budget + interval before one (its capacity grows by the prompt length); nothing is compressed at prefill.
+Prompt sentences are still tracked, compared and can be flagged (flags on them have no effect).
+
+Departures from the reference code (TTTTTTris/SkipKV, skipkv/compression/skipkv.py): no pads exist in our
+slots, so there is no pad score of 100; sentence labels match keywords on the sentence's text (see
+skipkv/sentences/tracker.py), not single token ids; the comparison runs once per request per compression (not
+per layer); a sentence flagged twice keeps its largest similarity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from skipkv.config import knob
+from skipkv.errors import SkipKVError
+from skipkv.policies import POLICIES
+from skipkv.policies.base import Observation
+from skipkv.policies.rkv import RKV
+from skipkv.scoring import protect_and_select
+from skipkv.sentences import REFERENCE_DELIMITERS, SentenceTracker, TokenTables, flag_earlier, parse_delimiters, span_penalty
+from skipkv.sentences.tracker import CHECK_WORD_SETS
+from skipkv.steering.gate import SteerState
+from skipkv.steering.knobs import SteeringKnobs
+
+
+@dataclass
+class SkipKVState:
+    """One request's sentence bookkeeping: the tracker, flags per closed sentence, steering state."""
+
+    prompt_len: int
+    tracker: SentenceTracker
+    steer: SteerState | None
+    processed: int = 0  # closed sentences already compared (at the last compression)
+    flags: list[float] = field(default_factory=list)  # per closed sentence compared: similarity flagged with, or 0
+    # Flagged spans as tensors for the per-layer lookup, rebuilt when flags change: starts, ends [F] int64, sims [F].
+    flagged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (torch.zeros(0, dtype=torch.long),
+                                                                torch.zeros(0, dtype=torch.long), torch.zeros(0))
+
+
+@POLICIES.register("skipkv")
+@dataclass(frozen=True)
+class SkipKV(SteeringKnobs, RKV):
+    tau: float = knob(0.95, "cosine above which the earlier of two sentences is flagged redundant", gt=0.0, le=1.0)
+    sentence_weight: float = knob(1.0, "scale of the flagged-sentence penalty (1 = reference)", ge=0.0)
+    delimiters: str = knob(REFERENCE_DELIMITERS, "sentence delimiter strings (space-separated, Python escapes); "
+                           "mode ids uses the last token id of each")
+    sentence_mode: str = knob("ids", "ids: delimiter token ids; text: any token whose text ends in a newline",
+                              choices=("ids", "text"))
+    check_words: str = knob("reference", "check keywords: reference (Alternatively, Wait, again) or seal",
+                            choices=CHECK_WORD_SETS)
+    protect_prompt: bool = knob(False, "never evict prompt entries; budget counts generated tokens")
+    gamma: float = knob(0.02, "gamma: steering coefficient change per check sentence", ge=0.0)
+    alpha_update: str = knob("compression", "recompute alpha at each compression or at every sentence",
+                             choices=("compression", "sentence"))
+
+    needs: ClassVar[frozenset[str]] = frozenset({"queries", "hidden"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            delims = parse_delimiters(self.delimiters)
+        except UnicodeDecodeError:
+            raise SkipKVError(f"skipkv delimiters {self.delimiters!r} has a bad escape") from None
+        if self.sentence_mode == "ids" and not all(delims):
+            raise SkipKVError("skipkv delimiters must list at least one non-empty string")
+        if self.protect_prompt and self.phase == "prefill":
+            raise SkipKVError("protect_prompt keeps the whole prompt, so phase prefill would never compress; "
+                              "use phase decode or both")
+        self._check_steering_file()
+        object.__setattr__(self, "_tables", {})  # per-tokenizer lookup tables, built once per instance
+
+    # ------------------------------------------------------------------------------------ per request
+    def _tables_for(self, tokenizer) -> TokenTables:
+        key = id(tokenizer)
+        if key not in self._tables:  # keep the tokenizer referenced so its id is not reused
+            self._tables[key] = (tokenizer, TokenTables.build(tokenizer, self.delimiters, self.sentence_mode,
+                                                              self.check_words, gate=bool(self.steering)))
+        return self._tables[key][1]
+
+    def init_state(self, prompt_ids: list[int], tokenizer) -> SkipKVState:
+        tables = self._tables_for(tokenizer)
+        return SkipKVState(len(prompt_ids), SentenceTracker(tables), self._steer_state(tables, prompt_ids))
+
+    def observe(self, state: SkipKVState, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        state.tracker.observe(token_ids, hidden)
+
+    def before_compress(self, states: list, is_prefill: bool) -> None:
+        for st in states:
+            tr = st.tracker
+            S = tr.num_closed
+            if S > st.processed:
+                new = flag_earlier(tr.representations(), st.processed, self.tau).tolist()
+                st.flags = [max(a, b) for a, b in zip(st.flags + [0.0] * (S - len(st.flags)), new)]
+                st.processed = S
+                hit = [i for i, f in enumerate(st.flags) if f > 0]
+                st.flagged = (torch.tensor([tr.starts[i] for i in hit], dtype=torch.long),
+                              torch.tensor([tr.ends[i] for i in hit], dtype=torch.long),
+                              torch.tensor([st.flags[i] for i in hit], dtype=torch.float32))
+            if st.steer is not None:
+                st.steer.alpha = self.alpha0 - self.gamma * tr.num_check
+
+    def coefficient(self, state: SkipKVState) -> float:
+        if self.alpha_update == "sentence":
+            return self.alpha0 - self.gamma * state.tracker.num_check
+        return state.steer.alpha
+
+    # ------------------------------------------------------------------------------------ budget
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        if self.protect_prompt:
+            return prompt_len + self.budget + self.interval
+        return super().capacity(prompt_len, max_new_tokens)
+
+    def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
+        if not self.protect_prompt:
+            return super().should_compress(length, is_prefill, state)
+        assert isinstance(state, SkipKVState)
+        return not is_prefill and length >= state.prompt_len + self.budget + self.interval
+
+    # ------------------------------------------------------------------------------------ scoring
+    def score(self, obs: Observation) -> torch.Tensor:
+        s = super().score(obs)  # [b, H, n]
+        if self.sentence_weight == 0 or obs.states is None:
+            return s
+        for b, st in enumerate(obs.states):  # per request: each has its own flagged spans
+            starts, ends, sims = st.flagged
+            if starts.numel():
+                s[b] -= self.sentence_weight * span_penalty(obs.positions[b], starts, ends, sims).to(s.dtype)
+        return s
+
+    def select(self, obs: Observation) -> torch.Tensor:
+        scores = self.score(obs)
+        if not self.protect_prompt:
+            return protect_and_select(scores, self.budget, self.window, self.sink)
+        prompt_lens = {st.prompt_len for st in obs.states}
+        # Rows are grouped by length and compress at prompt_len + budget + interval, so a group shares one
+        # prompt length; the keep tensor must be rectangular.
+        if len(prompt_lens) != 1:
+            raise RuntimeError(f"protect_prompt: rows of one compression group have prompt lengths {sorted(prompt_lens)}")
+        P = prompt_lens.pop()
+        scores = scores.masked_fill(obs.positions < P, float("inf"))
+        return protect_and_select(scores, P + self.budget, self.window, self.sink)
+
+    # ------------------------------------------------------------------------------------ reporting
+    def stats(self, state: SkipKVState) -> dict:
+        out = {"sentences": state.tracker.num_closed, "check_sentences": state.tracker.num_check,
+               "flagged_sentences": sum(1 for f in state.flags if f > 0)}
+        if state.steer is not None:
+            out["steered_tokens"] = state.steer.steered
+        return out
+
+    def trace_state(self, state: SkipKVState) -> dict:
+        """Sentences [[start, end, "check"|"other"], ...] and flagged ones [[start, end, sim], ...], true positions."""
+        tr = state.tracker
+        return {"sentences": [[s, e, "check" if c else "other"] for s, e, c in zip(tr.starts, tr.ends, tr.is_check)],
+                "flagged": [[tr.starts[i], tr.ends[i], f] for i, f in enumerate(state.flags) if f > 0]}

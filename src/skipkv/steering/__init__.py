@@ -1,0 +1,9 @@
+"""Steering: vector files (build, load) and the per-request gate/coefficient (SEAL, SkipKV §4.2).
+
+    skipkv steer build --model M --dataset math500 --offset 400 --limit 20 --layers 8,12 --out v.safetensors
+"""
+
+from skipkv.steering.gate import SCOPES, SteerState
+from skipkv.steering.vector import SteeringFile
+
+__all__ = ["SCOPES", "SteerState", "SteeringFile"]
