@@ -1,4 +1,4 @@
-"""The `skipkv` command line: generate | policies | models | eval | sweep | report | bench.
+"""The `skipkv` command line: generate | policies | models | eval | sweep | report | bench | serve.
 
     skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-new-tokens 50 --json "Hello"
     skipkv policies
@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "skipkv.sweep",
     "skipkv.report.cli",
     "skipkv.bench.cli",
+    "skipkv.serve.cli",
 ]
 
 
