@@ -25,7 +25,7 @@ from skipkv.engine import Engine, make_requests  # noqa: E402
 from skipkv.engine.scheduler import reservation  # noqa: E402
 from skipkv.models import load_model  # noqa: E402
 from skipkv.serve.app import create_app  # noqa: E402
-from skipkv.serve.protocol import ServerSettings  # noqa: E402
+from skipkv.serve.protocol import ServerSettings, TextStream  # noqa: E402
 
 MODEL = "random:qwen2"
 RKV = dict(budget=32, window=4, interval=8)
@@ -329,3 +329,14 @@ def test_serve_cli_defaults_to_localhost():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.api_key is None
     assert build_parser().parse_args(["serve", "--kv-memory", "2GiB"]).kv_memory == 2 << 30
+
+
+def test_text_stream_holds_back_stop_prefixes_and_partial_utf8(tiny):
+    tok = tiny.tokenizer  # byte-level: "é" is two tokens, each ASCII character one
+    ts = TextStream(tok, ("STOP",))
+    deltas = [ts.add([t]) for t in tok("héllo wSTOP and more", add_special_tokens=False)["input_ids"]]
+    assert "".join(deltas) == "héllo w" and not any("\ufffd" in d for d in deltas)
+    assert ts.finish("héllo w") == ""
+    ts = TextStream(tok, ("STOP",))
+    deltas = [ts.add([t]) for t in tok("aSTx", add_special_tokens=False)["input_ids"]]
+    assert deltas == ["a", "", "", "STx"]  # "ST" might have begun "STOP": held until "x" says otherwise
