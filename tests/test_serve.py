@@ -340,3 +340,18 @@ def test_text_stream_holds_back_stop_prefixes_and_partial_utf8(tiny):
     ts = TextStream(tok, ("STOP",))
     deltas = [ts.add([t]) for t in tok("aSTx", add_special_tokens=False)["input_ids"]]
     assert deltas == ["a", "", "", "STx"]  # "ST" might have begun "STOP": held until "x" says otherwise
+
+
+def test_bench_serve_reports_each_level(main_server, tmp_path):
+    import json
+
+    from skipkv.bench.serve import run_bench
+
+    url, _ = main_server
+    out = tmp_path / "serve.json"
+    run_bench(url, [1, 2], 2, "gsm8k", 5, None, True, str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert (r["completed"], r["errors"], r["completion_tokens"]) == (2, 0, 10)
+        assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["itl_p50_s"] > 0
