@@ -54,7 +54,8 @@ async def _one(client, model: str, message: str, max_tokens: int, ignore_eos: bo
     async for ch in stream:
         if ch.usage is not None:
             tokens = ch.usage.completion_tokens
-        if ch.choices and ch.choices[0].delta.role is None:  # a token's chunk (not the opening role chunk)
+        # a token's chunk: not the opening role chunk, not the closing finish chunk, not the usage chunk
+        if ch.choices and ch.choices[0].delta.role is None and ch.choices[0].finish_reason is None:
             stamps.append(time.perf_counter())
     if not stamps:
         raise SkipKVError("the server streamed no tokens")
