@@ -47,7 +47,7 @@ class DisconnectAwareStream(StreamingResponse):
 
         tasks = [asyncio.ensure_future(self.stream_response(send)), asyncio.ensure_future(listen())]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in tasks:
                 t.cancel()
