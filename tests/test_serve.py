@@ -172,6 +172,7 @@ def test_concurrent_streams_with_two_disconnects(main_server, tiny):
 
     async def run():
         first = [asyncio.Event() for _ in prompts]
+        looked = asyncio.Event()
         c = client(url, cls=openai.AsyncOpenAI)
 
         async def one(i: int):
@@ -184,7 +185,7 @@ def test_concurrent_streams_with_two_disconnects(main_server, tiny):
                 n += 1
                 first[i].set()
                 if i in quitters and n == short // 2:
-                    await asyncio.gather(*(e.wait() for e in first))  # all 8 are in the batch
+                    await looked.wait()  # all 8 are in the batch, and the metrics of 8 were read
                     await stream.close()  # disconnect half-way
                     return None
             return text
@@ -192,6 +193,7 @@ def test_concurrent_streams_with_two_disconnects(main_server, tiny):
         async def watch():
             await asyncio.gather(*(e.wait() for e in first))
             full = await asyncio.to_thread(metrics, url)
+            looked.set()
             deadline = time.monotonic() + 10
             while True:  # the two aborts free their slots and reservations
                 m = await asyncio.to_thread(metrics, url)

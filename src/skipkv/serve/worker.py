@@ -157,15 +157,16 @@ class EngineWorker:
             out = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed; failing %d requests and rebuilding the engine", len(self._jobs))
-            for job in self._jobs.values():
-                job.push(("error", 500, f"engine error: {exc}"))
-            self._finished["error"] += len(self._jobs)
+            failed = list(self._jobs.values())
             self._jobs.clear()
             stats = self.engine.stats()
             self._base["generated"] += stats.generated_tokens
             self._base["compressions"] += stats.compressions
             self.engine.close()
             self.engine = Engine(self.bundle, self.policy, self.config)
+            self._finished["error"] += len(failed)
+            for job in failed:  # after the rebuild: a client told of the failure finds a working server
+                job.push(("error", 500, f"engine error: {exc}"))
             return
         self._steps += 1
         self._dispatch(out)
@@ -174,17 +175,25 @@ class EngineWorker:
         tokens: dict[str, list[int]] = {}
         for rid, tok in out.new_tokens:
             tokens.setdefault(rid, []).append(tok)
+        done: dict[str, tuple[Job, object]] = {}
+        for res in out.finished:
+            self._finished[res.finish_reason] += 1
+            job = self._jobs.pop(res.request_id, None)
+            if job is not None:
+                done[res.request_id] = (job, res)
+        # Metrics first: a client that has its answer reads /metrics that already count it.
+        self._publish()
         for rid, toks in tokens.items():
+            if rid in done:
+                done[rid][0].push(("tokens", toks))
+                continue
             job = self._jobs.get(rid)
             if job is not None and not job.push(("tokens", toks)):
                 self.engine.abort(rid)  # nobody is listening any more
                 self._jobs.pop(rid)
                 self._finished["abort"] += 1
-        for res in out.finished:
-            self._finished[res.finish_reason] += 1
-            job = self._jobs.pop(res.request_id, None)
-            if job is not None:
-                job.push(("done", res))
+        for job, res in done.values():
+            job.push(("done", res))
 
     def _publish(self) -> None:
         s = self.engine.stats()
