@@ -236,7 +236,7 @@ def test_flagged_sentences_are_evicted_first(sharp):
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
         for _ in range(39):
-            before = {id(r): (r.compressions, store.pos[:, s, :, :int(store.lengths[0, s])].clone())
+            before = {id(r): (r.compressions, torch.stack([p[s, :, :int(store.lengths[0, s])] for p in store.pos]))
                       for s, r in enumerate(runner.running)}
             for r, t in zip(list(runner.running), runner.decode()):
                 r.output_ids.append(t)
@@ -245,7 +245,7 @@ def test_flagged_sentences_are_evicted_first(sharp):
                 if r.compressions == count or not r.state.flagged[0].numel():
                     continue
                 n = int(store.lengths[0, s])
-                new = store.pos[:, s, :, :n]
+                new = torch.stack([p[s, :, :n] for p in store.pos])
                 starts, ends, sims = r.state.flagged
                 window_from = r.next_position - policy.window
                 for l in range(new.shape[0]):
@@ -279,7 +279,7 @@ def test_protect_prompt_keeps_the_prompt_and_grows_capacity(tiny):
             assert n <= P + 16 + 8
             if reqs[0].compressions > c:
                 assert n == P + 16
-                pos = store.pos[:, 0, :, :n]
+                pos = torch.stack([p[0, :, :n] for p in store.pos])
                 assert (pos[..., :P] == torch.arange(P, dtype=torch.int32)).all()
     assert reqs[0].compressions > 0
     res = generate(tiny, PROMPTS[1:2], sp, policy)[0]

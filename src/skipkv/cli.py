@@ -1,4 +1,4 @@
-"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer.
+"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer | serve.
 
     skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-new-tokens 50 --json "Hello"
     skipkv policies
@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "skipkv.report.cli",
     "skipkv.bench.cli",
     "skipkv.steering.cli",
+    "skipkv.serve.cli",
 ]
 
 

@@ -4,6 +4,7 @@
     skipkv bench fidelity --model random:qwen2 --dataset niah --lengths 512 --policies snapkv,laprox --budget-ratio 0.2
     skipkv bench throughput --model random:qwen2:0.5b --workload synthetic:128x512 --requests 32 \
         --kv-memory 48MiB --policies full,rkv --budget 64 --interval 32 --out docs/bench_throughput_quick.json
+    skipkv bench serve --url http://127.0.0.1:8000 --concurrency 1,4,16 --requests 16 --dataset gsm8k
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from skipkv.bench.serve import run_bench
+    from skipkv.eval.datasets import dataset_names
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x]
+    except ValueError:
+        raise SkipKVError(f"--concurrency expects comma-separated integers, got {args.concurrency!r}") from None
+    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
+        raise SkipKVError("--concurrency levels, --requests and --max-tokens must be positive")
+    if args.dataset not in dataset_names():
+        raise SkipKVError(f"unknown dataset {args.dataset!r}; choose one of: {', '.join(dataset_names())}")
+    run_bench(args.url, levels, args.requests, args.dataset, args.max_tokens, args.api_key, args.ignore_eos, args.out)
+    return 0
+
+
 def register(sub) -> None:
     from skipkv.engine.cli import kv_memory_arg
 
@@ -131,3 +148,13 @@ def register(sub) -> None:
     t.add_argument("--plot", help="PNG path (default: --out with .png)")
     t.add_argument("--max-seconds", type=float, help="cut each engine run after this long (rates over the window)")
     t.set_defaults(func=cmd_throughput)
+    s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (requests/s, tokens/s, TTFT, ITL)")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
+    s.add_argument("--concurrency", default="1,4,16", help="concurrent streaming clients, one level each")
+    s.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    s.add_argument("--dataset", default="gsm8k", help="whose questions to send (as chat messages)")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens per request")
+    s.add_argument("--api-key", help="the server's API key, if it has one")
+    s.add_argument("--out", help="write the JSON report here")
+    s.set_defaults(func=cmd_serve)

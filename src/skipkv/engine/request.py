@@ -65,6 +65,7 @@ class RequestResult:
     ttft_seconds: float = 0.0  # time to first token: from add_request to the first token
     tpot_p50_seconds: float | None = None  # per-token latency (gap between consecutive tokens), median and p99;
     tpot_p99_seconds: float | None = None  # None for a request that produced a single token
+    extra: dict = field(default_factory=dict)  # the policy's per-request figures (Policy.stats), e.g. flagged_sentences
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -74,7 +75,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(at)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
-    extra: dict = field(default_factory=dict)  # the policy's per-request figures (Policy.stats), e.g. flagged_sentences
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: the runner looks requests up in its running list

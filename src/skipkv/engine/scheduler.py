@@ -52,7 +52,7 @@ def staging(group: Sequence[Request], chunk: int) -> int:
         peak = max(peak, max(held) + c1 - c0)
         for i, r in enumerate(group):
             held[i] += min(max(r.prompt_len - c0, 0), c1 - c0)
-            if r.policy.should_compress(held[i], True):
+            if r.policy.should_compress(held[i], True, r.state):
                 held[i] = r.policy.budget
     return peak
 

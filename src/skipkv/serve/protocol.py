@@ -1,0 +1,337 @@
+"""The OpenAI wire format: request validation (into token ids + SamplingParams) and response/chunk shapes.
+
+    parse_completion(body, tokenizer, limits)   # -> Parsed, or raises APIError (HTTP 400, OpenAI error body)
+
+Validation is by hand, not by a schema library, so every rejection names its `param` the way OpenAI's API
+does. Accepted: model, prompt (completions: a string, a list of one string, token ids, or a list of one
+list of token ids) or messages (chat: role + string content or text parts), max_tokens
+(max_completion_tokens for chat), temperature, top_p, seed, stop (a string or up to 4), n = 1, stream,
+stream_options.include_usage, user, and two extras: `kv_budget` (a lower KV budget for this request) and
+`ignore_eos` (generate exactly max_tokens, for benchmarks). Known OpenAI parameters the engine does not
+implement are refused unless they carry their neutral value (presence_penalty 0, logprobs null, ...), so
+nothing is silently ignored; fields OpenAI does not define are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from skipkv.config import SamplingParams, check_fields, knob
+from skipkv.engine.request import encode_prompt
+from skipkv.errors import SkipKVError
+
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# OpenAI parameters without an implementation here: accepted only with the value that means "off".
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0, "echo": False,
+           "best_of": 1, "logit_bias": {}, "suffix": "", "tools": [], "functions": [], "tool_choice": "none",
+           "response_format": {"type": "text"}}
+
+
+class APIError(Exception):
+    """An error returned to the client as {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server knobs that are not the engine's."""
+
+    model_name: str = ""  # the id clients pass as `model` ("" = the --model string)
+    api_key: str = ""  # "" = no authentication
+    max_tokens_cap: int = knob(4096, "max_tokens allowed per request at most", gt=0)
+    max_queue: int = knob(256, "waiting requests at most; more get HTTP 429", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "server")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server allows: its model name, the model's context, the cap on max_tokens."""
+
+    model: str
+    max_context: int
+    max_tokens_cap: int
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A validated request, ready for the engine."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    kv_budget: int | None
+    stream: bool
+    include_usage: bool
+
+
+def load_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise bad(f"{key} must be a number in [{lo}, {hi}], got {v!r}", key)
+    return float(v)
+
+
+def _bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, got {v!r}", "stop")
+    return tuple(stops)
+
+
+def _check_common(body: dict, limits: Limits) -> None:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad(f"model must be a string, got {model!r}", "model")
+    if model != limits.model:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.model!r}", "model",
+                       "model_not_found")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad(f"only n = 1 is supported, got {n!r}", "n")
+    for key, off in NEUTRAL.items():
+        v = body.get(key)
+        if v is not None and not (v == off and isinstance(v, bool) == isinstance(off, bool)):
+            raise bad(f"{key} is not supported by this server (got {v!r})", key, "unsupported_parameter")
+    if "user" in body and not isinstance(body["user"], (str, type(None))):
+        raise bad(f"user must be a string, got {body['user']!r}", "user")
+
+
+def _sampling(body: dict, prompt_len: int, limits: Limits, tokens_key: str) -> SamplingParams:
+    room = limits.max_context - prompt_len  # positions left for new tokens
+    if room <= 0:
+        raise bad(f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context}",
+                  "messages" if tokens_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
+    keys = [k for k in (tokens_key, "max_tokens") if body.get(k) is not None]
+    if keys:
+        key = keys[0]
+        m = body[key]
+        if not _is_int(m) or m <= 0:
+            raise bad(f"{key} must be a positive integer, got {m!r}", key)
+        if m > limits.max_tokens_cap:
+            raise bad(f"{key} is {m}; this server allows at most {limits.max_tokens_cap}", key)
+        if m > room:
+            raise bad(f"the prompt has {prompt_len} tokens and {key} is {m}; the model's context is "
+                      f"{limits.max_context}", key, "context_length_exceeded")
+    else:
+        m = min(limits.max_tokens_cap, room)  # as many as the cap and the context allow
+    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)  # OpenAI's default: 1
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise bad("top_p must be > 0", "top_p")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise bad(f"seed must be a non-negative integer, got {seed!r}", "seed")
+    if seed is None:
+        seed = secrets.randbits(63)  # OpenAI's semantics: without a seed, sampling is not reproducible
+    try:
+        return SamplingParams(max_new_tokens=m, temperature=temperature, top_p=top_p, seed=seed,
+                              ignore_eos=_bool(body, "ignore_eos"), stop=_stops(body))
+    except SkipKVError as exc:
+        raise bad(str(exc)) from None
+
+
+def _tail(body: dict, ids: list[int], limits: Limits, tokens_key: str) -> Parsed:
+    sampling = _sampling(body, len(ids), limits, tokens_key)
+    budget = body.get("kv_budget")
+    if budget is not None and (not _is_int(budget) or budget <= 0):
+        raise bad(f"kv_budget must be a positive integer, got {budget!r}", "kv_budget")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {opts!r}", "stream_options")
+    return Parsed(ids, sampling, budget, stream, bool(opts and opts.get("include_usage")))
+
+
+def parse_completion(body: dict, tokenizer, limits: Limits) -> Parsed:
+    """Validate a /v1/completions body; the prompt is tokenized as `skipkv generate --raw` would."""
+    _check_common(body, limits)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # one prompt in a list (n = 1 requests only)
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt is empty", "prompt")
+        ids = encode_prompt(tokenizer, p)
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        vocab = len(tokenizer)
+        if not all(0 <= t < vocab for t in p):
+            raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
+        ids = list(p)
+    else:
+        raise bad("prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+    return _tail(body, ids, limits, "max_tokens")
+
+
+def _content(m: Any, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
+                                   for x in c):
+        return "".join(x["text"] for x in c)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_chat(body: dict, tokenizer, limits: Limits) -> Parsed:
+    """Validate a /v1/chat/completions body; the chat template is applied here, on the server."""
+    _check_common(body, limits)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list", "messages")
+    conv = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", f"messages[{i}].role")
+        conv.append({"role": m["role"], "content": _content(m, i)})
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad("this model has no chat template; use /v1/completions", "messages")
+    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    return _tail(body, encode_prompt(tokenizer, text), limits, "max_completion_tokens")
+
+
+# ---------------------------------------------------------------------------------------- responses
+OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def usage(result) -> dict:
+    """OpenAI usage plus this engine's per-request KV figures."""
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.generated_tokens,
+            "total_tokens": result.prompt_tokens + result.generated_tokens,
+            "peak_kv_bytes": result.peak_kv_bytes, "compressions": result.compressions}
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False,
+          usage_: dict | None = None, created: int | None = None) -> dict:
+    """One streamed chunk (text None and no finish: a usage-only chunk with no choices)."""
+    created = created or int(time.time())
+    if chat:
+        delta = ({"role": "assistant", "content": ""} if role else {"content": text} if text
+                 else {} if finish else {"content": ""})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    else:
+        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if text is None and finish is None and not role:
+        out["choices"] = []
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def final(rid: str, model: str, chat: bool, result, created: int) -> dict:
+    """The whole (non-streamed) response."""
+    finish = OPENAI_FINISH[result.finish_reason]
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage(result)}
+
+
+class TextStream:
+    """Turns a request's tokens into text deltas for streaming, so that the deltas add up to exactly the
+    final text (`make_result`'s: special tokens skipped, cut at a stop string).
+
+    Text is decoded from a window of recent tokens (vLLM's prefix/read offsets: O(1) tokens per step, not the
+    whole output); a delta ending in an incomplete UTF-8 sequence waits for the next token, and text that may
+    be the start of a stop string is held back until it is known not to be one.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.prefix_at = self.read_at = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` already sent
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, tokens: list[int]) -> str:
+        """Append tokens; return the text that is safe to send now."""
+        self.ids.extend(tokens)
+        before = self._decode(self.ids[self.prefix_at:self.read_at])
+        now = self._decode(self.ids[self.prefix_at:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix_at, self.read_at = self.read_at, len(self.ids)
+        safe = len(self.text)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                safe = min(safe, at)
+            else:  # the longest suffix of the text that begins `s` may still become `s`
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        safe = min(safe, len(self.text) - k)
+                        break
+        if safe <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (what was sent is a prefix of it)."""
+        # The window decode and the stop hold-back guarantee that what was sent is a prefix of the final text
+        # (tests compare the concatenated deltas with the non-streamed answer).
+        out, self.sent = final_text[self.sent:], len(final_text)
+        return out
