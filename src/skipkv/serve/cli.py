@@ -9,21 +9,9 @@ Binds 127.0.0.1 unless --host says otherwise. Needs the `serve` extra (pip insta
 from __future__ import annotations
 
 import argparse
-import re
 
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
-
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def _size(text: str) -> int:
-    """'2GiB' -> 2147483648 (also MiB, KiB, GB, MB, kB, plain bytes)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 2GiB, 512MiB or 1048576 (bytes), got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
@@ -45,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     # A server must be fair: no batch grouping by prompt length (it could pass over a long prompt forever).
     engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
-                          group_by_length=False)
+                          prefill_budget=args.prefill_budget, group_by_length=False)
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key or "",
                               max_tokens_cap=args.max_tokens_cap, max_queue=args.max_queue)
     if args.threads:
@@ -59,16 +47,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from skipkv.engine.cli import add_model_args, add_policy_args
+    from skipkv.engine.cli import add_memory_args, add_model_args, add_policy_args
     from skipkv.serve.protocol import ServerSettings
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)")
     add_model_args(s)
+    add_memory_args(s)
     add_policy_args(s)
     s.set_defaults(batch_size=32)  # a cap on the batch; with --kv-memory, memory decides
-    if "--kv-memory" not in s._option_string_actions:  # add_model_args may already provide it
-        s.add_argument("--kv-memory", type=_size, default=EngineConfig().kv_memory,
-                       help="KV cache memory cap, e.g. 2GiB (admission by reservation; 0 = no cap)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
