@@ -47,12 +47,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from skipkv.engine.cli import add_memory_args, add_model_args, add_policy_args
+    from skipkv.engine.cli import add_model_args, add_policy_args
     from skipkv.serve.protocol import ServerSettings
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)")
-    add_model_args(s)
-    add_memory_args(s)
+    add_model_args(s)  # also --kv-memory and --prefill-budget
     add_policy_args(s)
     s.set_defaults(batch_size=32)  # a cap on the batch; with --kv-memory, memory decides
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
