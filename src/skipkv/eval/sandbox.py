@@ -79,7 +79,8 @@ mkdir -p "$r/etc" "$r/dev" "$r/proc" "$r/work" "$r/tmp"
 for n in null zero random urandom; do touch "$r/dev/$n"; mount --bind "/dev/$n" "$r/dev/$n"; done
 mount -t proc -o nosuid,nodev,noexec proc "$r/proc"
 cp "$src/prog.py" "$r/work/prog.py"
-chown -R "$id:$id" "$r/work" "$r/tmp"
+# Not recursive: a Python install living under /tmp or /work is bound read-only inside them.
+chown "$id:$id" "$r/work" "$r/work/prog.py" "$r/tmp"
 chmod 700 "$r/work"; chmod 1777 "$r/tmp"
 cd "$r"; mkdir .host; pivot_root . .host; umount -l /.host; rmdir /.host
 cd /work
