@@ -1,0 +1,65 @@
+"""Paired comparison of two eval runs on the same examples: accuracy with Wilson 95% intervals, an exact
+McNemar test on the discordant pairs, mean generated length, identical outputs, and the policy stats the
+records carry (e.g. SkipKV's flagged_sentences).
+
+    python benchmarks/paired.py runs/results/gsm8k/rkv-b80-s0 runs/results/gsm8k/skipkv-b80-s0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value: binomial test of b successes in b + c trials at 1/2."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(0, min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def load(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
+    return {(r["id"], r.get("sample", 0)): r for r in rows}
+
+
+def main(a_dir: str, b_dir: str) -> None:
+    a, b = load(Path(a_dir)), load(Path(b_dir))
+    keys = sorted(set(a) & set(b))
+    n = len(keys)
+    for name, runs in ((Path(a_dir).name, a), (Path(b_dir).name, b)):
+        k = sum(bool(runs[x]["correct"]) for x in keys)
+        lo, hi = wilson(k, n)
+        gen = sum(runs[x]["generated_tokens"] for x in keys) / max(n, 1)
+        kv = sum(runs[x]["decode_peak_kv_tokens"] for x in keys) / max(n, 1)
+        print(f"{name:24s} n={n:4d}  accuracy {k / max(n, 1):6.1%} [{lo:.1%}, {hi:.1%}]  mean generated {gen:6.1f}  "
+              f"mean decode-peak KV {kv:6.1f} tokens/head")
+    only_a = sum(bool(a[x]["correct"]) and not b[x]["correct"] for x in keys)
+    only_b = sum(bool(b[x]["correct"]) and not a[x]["correct"] for x in keys)
+    same = sum(a[x]["output"] == b[x]["output"] for x in keys)
+    print(f"discordant: only {Path(a_dir).name} right {only_a}, only {Path(b_dir).name} right {only_b}; "
+          f"exact McNemar p = {mcnemar_exact(only_a, only_b):.3f}; identical outputs {same}/{n}")
+    for stat in ("sentences", "check_sentences", "flagged_sentences"):
+        vals = [b[x][stat] for x in keys if stat in b[x]]
+        if vals:
+            print(f"{Path(b_dir).name} {stat}: mean {sum(vals) / len(vals):.2f}, requests with any "
+                  f"{sum(v > 0 for v in vals)}/{len(vals)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python benchmarks/paired.py RUN_A RUN_B")
+    main(sys.argv[1], sys.argv[2])
