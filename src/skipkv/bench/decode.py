@@ -17,7 +17,6 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
