@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import PROMPTS
-from skipkv import SamplingParams, generate, make_policy
+from skipkv import SamplingParams, generate
 from skipkv.config import EngineConfig
 from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.sampler import filter_logits

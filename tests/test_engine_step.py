@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate, make_policy
