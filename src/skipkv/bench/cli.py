@@ -141,7 +141,7 @@ def register(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
     t.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per request per step (0 = whole)")
     t.add_argument("--prefill-budget", type=int, default=0, help="prompt tokens per step at most (0 = no limit)")
-    t.add_argument("--dtype", default="bf16")
+    t.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA, fp32 on CPU), bf16, fp32, fp16")
     t.add_argument("--device", help="cpu, cuda (default: the loader's)")
     t.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     t.add_argument("--out", help="write the JSON report here (checked writable before running)")

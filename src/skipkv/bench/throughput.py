@@ -335,9 +335,13 @@ def machine() -> dict:
 def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_memory: int, knobs: dict,
               batch_size: int | None = None, batch_sweep: list[int] | None = None, hf_reference: bool = False,
               max_new_tokens: int | None = None, prefill_chunk: int = 0, prefill_budget: int = 0,
-              dtype: str = "bf16", device: str | None = None, seed: int = 0, out: str | None = None,
+              dtype: str = "auto", device: str | None = None, seed: int = 0, out: str | None = None,
               plot_path: str | None = None, max_seconds: float | None = None, bundle=None) -> Report:
-    from skipkv.models import load_model
+    from skipkv.models import auto_dtype, load_model, resolve_dtype
+
+    if dtype == "auto":
+        dtype = auto_dtype(bundle.device if bundle is not None else device)
+    resolve_dtype(dtype)
     from skipkv.policies import make_policy
 
     # Everything cheap is validated before the model loads.

@@ -55,6 +55,16 @@ def home() -> Path:
     return Path(os.environ.get("SKIPKV_HOME", Path.home() / ".cache" / "skipkv"))
 
 
+def auto_dtype(device: str | torch.device | None) -> str:
+    """The throughput dtype for a device: bf16 on CUDA, fp32 on CPU.
+
+    Most CPUs have no native bf16 matmul (no AVX512-BF16/AMX), so torch emulates it: on this project's 2-core
+    EPYC a random 0.5B decode step took 146/239/434/831/1856 ms at batch 1/2/4/8/16 in bf16 (compute-bound from
+    batch 4) against 257/438/535/594/580 ms in fp32 (docs/benchmarks.md). Weights and KV then cost twice the bytes.
+    """
+    return "bf16" if device is not None and str(device).startswith("cuda") else "fp32"
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
