@@ -297,6 +297,7 @@ def test_bench_fidelity_cli(tmp_path, capsys):
     whole = json.loads(out.read_text())["results"]
     for name in ("streaming_llm", "laprox"):  # nothing evicted: every layer's output is the full cache's
         assert all(abs(c - 1) < 1e-5 for c in whole[name]["600"]["per_layer"])
+        assert whole[name]["600"]["needle"] == [1.0] * 2 and whole[name]["600"]["needle_whole"] == [1.0] * 2
     assert main(args + ["--budget-ratio", "0.2"]) == 0
     cut = json.loads(out.read_text())["results"]
     assert all(c < 0.9999 for c in cut["streaming_llm"]["600"]["per_layer"])
@@ -326,3 +327,30 @@ def test_kernel_pools_candidate_scores_before_the_global_top_k():
                         .select_model_wide([obs(0), obs(1)])]
     assert keep() == [[10, 18, 19], [3, 18, 19]]
     assert keep(kernel=3) == [[9, 10, 18, 19], [18, 19]]  # the peak's neighbours tie with it; older first
+
+
+def test_needle_positions_are_the_answer_tokens():
+    from skipkv.bench.fidelity import needle_positions, retention
+
+    tok = load_model("random:qwen2", dtype="fp32").tokenizer
+    text = "hay hay The magic number is 48213. more hay, and 48213 again"
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    pos = needle_positions(tok, text, ids, "48213")
+    assert tok.decode([ids[i] for i in pos]) == "4821348213"  # both occurrences, nothing else
+    assert needle_positions(tok, text, ids[1:], "48213") is None  # ids that are not this text's: no guess
+    assert needle_positions(tok, text, ids, "99999") is None
+
+    class Store:  # two layers, two kv heads: layer 0 holds the needle in one head only
+        lengths = torch.tensor([[3], [3]])
+        pos = [torch.tensor([[[0, 5, 6], [5, 6, 7]]]), torch.tensor([[[5, 6, 7], [5, 6, 7]]])]
+
+    needle = torch.tensor([5, 7])
+    assert retention(Store, 0, needle) == (0.75, False)
+    assert retention(Store, 1, needle) == (1.0, True)
+
+
+def test_bench_fidelity_policy_specs_are_checked_before_loading(capsys):
+    for spec, msg in (("laprox:kernel=x", "kernel must be int"), ("laprox:nope=1", "no knob 'nope'"),
+                      ("full", "keeps the full cache")):
+        assert main(["bench", "fidelity", "--model", "random:qwen2", "--policies", spec]) == 2
+        assert msg in capsys.readouterr().err

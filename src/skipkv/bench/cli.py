@@ -35,11 +35,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from skipkv.bench.fidelity import run_fidelity
-    from skipkv.policies import POLICIES
+    from skipkv.policies import parse_policy_spec
 
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        if not POLICIES.get(p).compresses:  # one-line error for an unknown name, before loading a model
+    policies = [p for p in args.policies.split(";" if ";" in args.policies else ",") if p]
+    for p in policies:  # one-line errors for an unknown name or knob, before loading a model
+        if not parse_policy_spec(p, budget=1 << 20)[1].compresses:
             raise SkipKVError(f"{p} keeps the full cache: it is the reference, not a policy to compare")
     if not 0 < args.budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {args.budget_ratio}")
@@ -119,7 +119,8 @@ def register(sub) -> None:
     f.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     f.add_argument("--dataset", default="niah")
     f.add_argument("--lengths", default="4096,8192")
-    f.add_argument("--policies", default="snapkv,pyramidkv,laprox")
+    f.add_argument("--policies", default="snapkv,pyramidkv,laprox",
+                   help="comma-separated, or ';'-separated specs with knobs: 'snapkv;laprox:kernel=7,normalize=sum'")
     f.add_argument("--budget-ratio", type=float, default=0.1, help="budget per layer as a fraction of the prompt")
     f.add_argument("--examples", type=int, default=1, help="examples per length (niah: the first depths)")
     f.add_argument("--window", type=int, default=32, help="observation queries compared (the last prompt tokens)")

@@ -13,6 +13,12 @@ o_proj, sum_h softmax(q_j K_h^T) V_h W_O^h, is computed against the full store a
 store (each key visible iff its true position <= the query's), and the cosine similarity between the two
 [E] vectors is averaged over the window's queries and the examples. Printed as a markdown table (mean and
 worst layer), written as JSON, and plotted (one line per policy across layers, one panel per length).
+
+On needle sets (niah, niah_multikey) it also reports *needle retention*: per layer, the share of the answer's
+tokens (every occurrence of the answer in the context, located through the tokenizer's offsets) that the
+compressed store still holds, averaged over kv heads; and the share of layers that hold the whole answer in
+every kv head. This says whether a policy that misses the needle dropped it, or kept it and lost it elsewhere.
+Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum`.
 """
 
 from __future__ import annotations
@@ -58,8 +64,36 @@ def _prefill(bundle, policy, ids: list[int], window: int | None = None) -> Model
     return runner
 
 
-def fidelity_one(bundle, ids: list[int], policies: dict, window: int) -> dict[str, list[float]]:
-    """Per policy name, the per-layer mean cosine similarity [L] on one prompt."""
+def needle_positions(tokenizer, text: str, ids: list[int], answers) -> list[int] | None:
+    """Token positions of every occurrence of the answer string(s) in the prompt text, or None when the
+    tokenizer gives no offsets or re-encoding does not reproduce `ids` (then retention is not reported)."""
+    answers = [answers] if isinstance(answers, str) else [a for a in answers if isinstance(a, str)]
+    if not answers or not getattr(tokenizer, "is_fast", False):
+        return None
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(ids):
+        return None
+    spans = []
+    for a in answers:
+        start = text.find(a)
+        while a and start >= 0:
+            spans.append((start, start + len(a)))
+            start = text.find(a, start + 1)
+    pos = [t for t, (b, e) in enumerate(enc["offset_mapping"]) if any(b < se and e > ss for ss, se in spans)]
+    return pos or None
+
+
+def retention(store, layer: int, needle: torch.Tensor) -> tuple[float, bool]:
+    """(share of needle tokens held, averaged over kv heads; whether every head holds all of them) in one layer."""
+    n = int(store.lengths[layer, 0])
+    held = torch.stack([torch.isin(needle, store.pos[layer][0, h, :n].long()) for h in range(store.pos[layer].shape[1])])
+    return float(held.float().mean()), bool(held.all())
+
+
+def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
+                 needle: list[int] | None = None) -> dict[str, dict[str, list]]:
+    """Per policy label: {"cosine": the per-layer mean cosine similarity [L], and with `needle` positions,
+    "needle": per-layer retention [L] and "needle_whole": per-layer all-heads-hold-it flags [L]} on one prompt."""
     from skipkv.policies import make_policy
 
     layers = bundle.model.model.layers
@@ -76,25 +110,41 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int) -> dict[st
             refs.append(layer_output(layer.self_attn, q, qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n]))
             queries.append(q)
         out = {}
+        pos = torch.tensor(needle, device=bundle.device) if needle else None
         for name, policy in policies.items():
             run = _prefill(bundle, policy, ids)
             s = run.store
-            cos = []
+            cos, kept, whole = [], [], []
             for l, layer in enumerate(layers):
                 n = int(s.lengths[l, 0])
                 got = layer_output(layer.self_attn, queries[l], qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n])
                 cos.append(float(torch.nn.functional.cosine_similarity(got, refs[l], dim=-1).mean()))
-            out[name] = cos
+                if pos is not None:
+                    share, all_heads = retention(s, l, pos)
+                    kept.append(share)
+                    whole.append(all_heads)
+            out[name] = {"cosine": cos, **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
     return out
 
 
 def format_table(results: dict, lengths: list[int]) -> str:
-    lines = ["| policy | length | mean cosine | worst layer (cosine) |", "|---|---:|---:|---:|"]
+    needles = any("needle" in r for by_len in results.values() for r in by_len.values())
+    head = "| policy | length | mean cosine | worst layer (cosine) |"
+    rule = "|---|---:|---:|---:|"
+    if needles:
+        head += " needle tokens held (mean over layers) | layers holding the whole needle |"
+        rule += "---:|---:|"
+    lines = [head, rule]
     for name, by_len in results.items():
         for n in lengths:
-            per_layer = by_len[str(n)]["per_layer"]
+            r = by_len[str(n)]
+            per_layer = r["per_layer"]
             worst = min(range(len(per_layer)), key=per_layer.__getitem__)
-            lines.append(f"| {name} | {n} | {statistics.fmean(per_layer):.4f} | {worst} ({per_layer[worst]:.4f}) |")
+            line = f"| {name} | {n} | {statistics.fmean(per_layer):.4f} | {worst} ({per_layer[worst]:.4f}) |"
+            if needles:
+                line += (f" {statistics.fmean(r['needle']):.0%} | {statistics.fmean(r['needle_whole']):.0%} |"
+                         if r.get("needle") else " - | - |")
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -122,7 +172,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     from skipkv.eval import prompts
     from skipkv.eval.datasets import data_request, get_dataset
     from skipkv.models import load_model
-    from skipkv.policies import make_policy
+    from skipkv.policies import parse_policy_spec
 
     if not 0 < budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {budget_ratio}")
@@ -131,19 +181,28 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
         raise SkipKVError(f"bench fidelity runs on long-context sets (niah, ...); {dataset} is not one")
     bundle = load_model(model, dtype=dtype)
     exs = ds.load(data_request({"lengths": list(lengths)}, bundle.tokenizer, prompt_style))
-    sums: dict[str, dict[str, list[list[float]]]] = {p: {str(n): [] for n in lengths} for p in policies}
+    sums: dict[str, dict[str, list[dict]]] = {p: {str(n): [] for n in lengths} for p in policies}
     for n in lengths:
         chosen = [e for e in exs if int(e.meta.get("length", 0)) == n][:examples]
         for ex in chosen:
-            ids = prompts.encode(bundle.tokenizer, prompts.render(bundle.tokenizer, ex, prompt_style), prompt_style)
+            text = prompts.render(bundle.tokenizer, ex, prompt_style)
+            ids = prompts.encode(bundle.tokenizer, text, prompt_style)
             if len(ids) <= window:
                 raise SkipKVError(f"a {len(ids)}-token prompt is shorter than the observation window ({window})")
             budget = max(1, round(budget_ratio * len(ids)))
-            built = {p: make_policy(p, budget=budget) for p in policies}
-            for p, cos in fidelity_one(bundle, ids, built, window).items():
-                sums[p][str(n)].append(cos)
-    results = {p: {k: {"per_layer": [statistics.fmean(c) for c in zip(*v)], "examples": len(v)}
-                   for k, v in by_len.items()} for p, by_len in sums.items()}
+            built = dict(parse_policy_spec(p, budget=budget) for p in policies)
+            needle = needle_positions(bundle.tokenizer, text, ids, ex.reference) if dataset.startswith("niah") else None
+            for p, got in fidelity_one(bundle, ids, built, window, needle).items():
+                sums[p][str(n)].append(got)
+    results = {}
+    for p, by_len in sums.items():
+        results[p] = {}
+        for k, v in by_len.items():
+            r = {"per_layer": [statistics.fmean(c) for c in zip(*(x["cosine"] for x in v))], "examples": len(v)}
+            if v and all("needle" in x for x in v):
+                r["needle"] = [statistics.fmean(c) for c in zip(*(x["needle"] for x in v))]
+                r["needle_whole"] = [statistics.fmean(c) for c in zip(*(x["needle_whole"] for x in v))]
+            results[p][k] = r
     table = format_table(results, lengths)
     print(table)
     report = {"model": model, "dataset": dataset, "lengths": lengths, "budget_ratio": budget_ratio,

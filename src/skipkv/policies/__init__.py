@@ -30,4 +30,34 @@ def make_policy(name: str, **knobs) -> Policy:
     return cls(**{k: v for k, v in knobs.items() if v is not None})
 
 
-__all__ = ["POLICIES", "Observation", "Policy", "make_policy"]
+def parse_policy_spec(spec: str, **defaults) -> tuple[str, Policy]:
+    """`name[:knob=value,...]` (e.g. `laprox:kernel=7,normalize=sum`) -> (the spec as its label, the policy).
+    Values take the knob's type; `defaults` (e.g. budget) apply unless the spec sets them."""
+    from skipkv.errors import SkipKVError
+
+    name, _, rest = spec.strip().partition(":")
+    cls = POLICIES.get(name)
+    types = {k[0]: k[1] for k in cls.knobs()}
+    knobs = dict(defaults)
+    for item in filter(None, rest.split(",")):
+        key, eq, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not raw.strip():
+            raise SkipKVError(f"policy spec {spec!r}: expected knob=value, got {item!r}")
+        if key not in types:
+            raise SkipKVError(f"policy {name!r} has no knob {key!r}; knobs: {', '.join(sorted(types))}")
+        kind, raw = types[key], raw.strip()
+        try:
+            if kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = raw.lower() in ("true", "1")
+            else:
+                value = kind(raw)
+        except ValueError:
+            raise SkipKVError(f"policy spec {spec!r}: {key} must be {kind.__name__}, got {raw!r}") from None
+        knobs[key] = value
+    return spec.strip(), make_policy(name, **knobs)
+
+
+__all__ = ["POLICIES", "Observation", "Policy", "make_policy", "parse_policy_spec"]
