@@ -354,3 +354,33 @@ def test_bench_fidelity_policy_specs_are_checked_before_loading(capsys):
                       ("full", "keeps the full cache")):
         assert main(["bench", "fidelity", "--model", "random:qwen2", "--policies", spec]) == 2
         assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "laprox", "laprox:kernel=7,normalize=sum", "pyramidkv", "rkv",
+                                  "streaming_llm"])
+def test_fidelity_shared_prefill_equals_each_policys_own_prefill(spec):
+    """The fidelity bench compresses a copy of the full prefill for policies that need only the window
+    queries; that must be exactly the store the policy's own prefill leaves."""
+    from skipkv.attention import attention_backend
+    from skipkv.bench.fidelity import _compress_copy, _prefill, shares_prefill
+    from skipkv.policies import parse_policy_spec
+
+    bundle = load_model("random:qwen2:sharp", dtype="fp64")
+    ids = random.Random(3).choices(range(5, 250), k=300)
+    policy = parse_policy_spec(spec, budget=60)[1]
+    assert shares_prefill(policy, 32)
+    with attention_backend(bundle.model), torch.inference_mode():
+        full = _prefill(bundle, make_policy("full"), ids, 32)
+        got, want = _compress_copy(bundle, policy, ids, full).store, _prefill(bundle, policy, ids).store
+        assert torch.equal(got.lengths[:, 0], want.lengths[:, 0]) and int(want.lengths[:, 0].min()) < 300
+        for l in range(got.num_layers):
+            n = int(want.lengths[l, 0])
+            assert torch.equal(got.pos[l][0, :, :n], want.pos[l][0, :, :n])
+            assert torch.equal(got.k[l][0, :, :n], want.k[l][0, :, :n])
+
+
+def test_fidelity_does_not_share_the_prefill_with_policies_that_need_more():
+    from skipkv.bench.fidelity import shares_prefill
+
+    assert not shares_prefill(make_policy("h2o"), 32)  # attention sums over every prompt query
+    assert not shares_prefill(make_policy("laprox", prefill_window=64), 32)  # a wider window than captured

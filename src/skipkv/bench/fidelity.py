@@ -4,8 +4,9 @@ window stays to the full cache's once a policy has compressed the prompt.
     skipkv bench fidelity --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 4096,8192 \\
         --policies snapkv,pyramidkv,laprox --budget-ratio 0.1 --out docs/fidelity.json
 
-For each example, the prompt is prefilled once with the full cache and once per policy (which compresses it
-right after prefill, every policy given budget = ratio x prompt tokens per layer; LaProx spends budget x
+For each example, the prompt is prefilled once with the full cache and, for policies that need attention sums
+or hidden states, once per policy (the others compress a copy of the full prefill, which is the same thing
+since compression runs after the forward); every policy compresses right after prefill, every policy given budget = ratio x prompt tokens per layer; LaProx spends budget x
 layers model-wide). The last `window` prompt queries of every layer are captured (post-RoPE) during the full
 prefill; since compression happens after the prefill forward, each layer's inputs are identical in both runs,
 so the comparison isolates that layer's approximation. Per layer l and query j, the attention output after
@@ -23,6 +24,7 @@ Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import statistics
@@ -64,6 +66,24 @@ def _prefill(bundle, policy, ids: list[int], window: int | None = None) -> Model
     return runner
 
 
+def shares_prefill(policy, window: int) -> bool:
+    """A policy that scores from the store and the window queries alone (no attention sums, no hidden states)
+    can compress a copy of the full prefill's store: the same entries its own prefill would compress."""
+    return policy.requirements() <= {"queries"} and policy.query_window <= window
+
+
+def _compress_copy(bundle, policy, ids: list[int], full: ModelRunner) -> ModelRunner:
+    """`policy`'s post-prefill compression applied to a copy of the full prefill (see shares_prefill)."""
+    run = ModelRunner(bundle, policy, num_slots=1)
+    run.store = copy.deepcopy(full.store)
+    run.queries = full.queries  # read only: compression reads the newest queries, never writes them
+    req = make_requests(bundle, [ids], SamplingParams(max_new_tokens=1), policy)[0]
+    run._prepare([req])
+    if policy.should_compress(int(run.store.lengths[:, 0].max()), True, req.state):
+        run.compress([(0, req)], is_prefill=True)
+    return run
+
+
 def needle_positions(tokenizer, text: str, ids: list[int], answers) -> list[int] | None:
     """Token positions of every occurrence of the answer string(s) in the prompt text, or None when the
     tokenizer gives no offsets or re-encoding does not reproduce `ids` (then retention is not reported)."""
@@ -97,8 +117,9 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
     from skipkv.policies import make_policy
 
     layers = bundle.model.model.layers
+    shared = max([window] + [p.query_window for p in policies.values() if shares_prefill(p, 1 << 30)])
     with attention_backend(bundle.model), torch.inference_mode():
-        full = _prefill(bundle, make_policy("full"), ids, window)
+        full = _prefill(bundle, make_policy("full"), ids, shared)
         P = len(ids)
         qpos = torch.arange(P - window, P, device=bundle.device)
         slot = torch.tensor([0], device=bundle.device)
@@ -112,7 +133,7 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
         out = {}
         pos = torch.tensor(needle, device=bundle.device) if needle else None
         for name, policy in policies.items():
-            run = _prefill(bundle, policy, ids)
+            run = _compress_copy(bundle, policy, ids, full) if shares_prefill(policy, shared) else _prefill(bundle, policy, ids)
             s = run.store
             cos, kept, whole = [], [], []
             for l, layer in enumerate(layers):
