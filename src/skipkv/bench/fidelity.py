@@ -12,7 +12,8 @@ prefill; since compression happens after the prefill forward, each layer's input
 so the comparison isolates that layer's approximation. Per layer l and query j, the attention output after
 o_proj, sum_h softmax(q_j K_h^T) V_h W_O^h, is computed against the full store and against the compressed
 store (each key visible iff its true position <= the query's), and the cosine similarity between the two
-[E] vectors is averaged over the window's queries and the examples. Printed as a markdown table (mean and
+[E] vectors is averaged over the window's queries and the examples. Each layer's kept share of the prompt is
+recorded too (LaProx's per-layer budgets, the seed's Figure 6). Printed as a markdown table (mean and
 worst layer), written as JSON, and plotted (one line per policy across layers, one panel per length).
 
 On needle sets (niah, niah_multikey) it also reports *needle retention*: per layer, the share of the answer's
@@ -135,16 +136,17 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
         for name, policy in policies.items():
             run = _compress_copy(bundle, policy, ids, full) if shares_prefill(policy, shared) else _prefill(bundle, policy, ids)
             s = run.store
-            cos, kept, whole = [], [], []
+            cos, kept, whole, sizes = [], [], [], []
             for l, layer in enumerate(layers):
                 n = int(s.lengths[l, 0])
+                sizes.append(n)
                 got = layer_output(layer.self_attn, queries[l], qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n])
                 cos.append(float(torch.nn.functional.cosine_similarity(got, refs[l], dim=-1).mean()))
                 if pos is not None:
                     share, all_heads = retention(s, l, pos)
                     kept.append(share)
                     whole.append(all_heads)
-            out[name] = {"cosine": cos, **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
+            out[name] = {"cosine": cos, "kept": sizes, **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
     return out
 
 
@@ -172,17 +174,22 @@ def format_table(results: dict, lengths: list[int]) -> str:
 def plot(results: dict, lengths: list[int], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5 * len(lengths), 3.6), dpi=120)
-    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
-    for ax, n in zip(axes, lengths):
+    fig = Figure(figsize=(5 * len(lengths), 6.6), dpi=120)
+    grid = fig.subplots(2, len(lengths), squeeze=False)
+    for col, n in enumerate(lengths):
+        top, bottom = grid[0][col], grid[1][col]
         for name, by_len in results.items():
-            ys = by_len[str(n)]["per_layer"]
-            ax.plot(range(len(ys)), ys, marker="o", markersize=3, label=name)
-        ax.set_title(f"{n} tokens")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("cosine(attention output, full)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+            r = by_len[str(n)]
+            top.plot(range(len(r["per_layer"])), r["per_layer"], marker="o", markersize=3, label=name)
+            if r.get("kept_share"):
+                bottom.plot(range(len(r["kept_share"])), r["kept_share"], marker="o", markersize=3, label=name)
+        top.set_title(f"{n} tokens")
+        top.set_ylabel("cosine(attention output, full)")
+        bottom.set_xlabel("layer")
+        bottom.set_ylabel("share of the prompt kept (per layer)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    grid[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
@@ -203,6 +210,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     bundle = load_model(model, dtype=dtype)
     exs = ds.load(data_request({"lengths": list(lengths)}, bundle.tokenizer, prompt_style))
     sums: dict[str, dict[str, list[dict]]] = {p: {str(n): [] for n in lengths} for p in policies}
+    prompt_lens: dict[str, dict[str, list[int]]] = {p: {str(n): [] for n in lengths} for p in policies}
     for n in lengths:
         chosen = [e for e in exs if int(e.meta.get("length", 0)) == n][:examples]
         for ex in chosen:
@@ -215,11 +223,14 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
             needle = needle_positions(bundle.tokenizer, text, ids, ex.reference) if dataset.startswith("niah") else None
             for p, got in fidelity_one(bundle, ids, built, window, needle).items():
                 sums[p][str(n)].append(got)
+                prompt_lens[p][str(n)].append(len(ids))
     results = {}
     for p, by_len in sums.items():
         results[p] = {}
         for k, v in by_len.items():
-            r = {"per_layer": [statistics.fmean(c) for c in zip(*(x["cosine"] for x in v))], "examples": len(v)}
+            r = {"per_layer": [statistics.fmean(c) for c in zip(*(x["cosine"] for x in v))], "examples": len(v),
+                 "kept_share": [statistics.fmean(c) for c in zip(*(
+                     [n / int(k) for n in x["kept"]] for x, k in zip(v, prompt_lens[p][k])))]}
             if v and all("needle" in x for x in v):
                 r["needle"] = [statistics.fmean(c) for c in zip(*(x["needle"] for x in v))]
                 r["needle_whole"] = [statistics.fmean(c) for c in zip(*(x["needle_whole"] for x in v))]
