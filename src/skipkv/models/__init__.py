@@ -60,7 +60,9 @@ def auto_dtype(device: str | torch.device | None) -> str:
 
     Most CPUs have no native bf16 matmul (no AVX512-BF16/AMX), so torch emulates it: on this project's 2-core
     EPYC a random 0.5B decode step took 146/239/434/831/1856 ms at batch 1/2/4/8/16 in bf16 (compute-bound from
-    batch 4) against 257/438/535/594/580 ms in fp32 (docs/benchmarks.md). Weights and KV then cost twice the bytes.
+    batch 4) against 257/438/535/594/580 ms in fp32 (docs/benchmarks.md): bf16 wins at batch 1-2, where reading
+    the weights dominates, and loses 1.4-3x from batch 8 on, which is where a throughput benchmark runs. In fp32
+    the weights and every KV entry cost twice the bytes, so a KV memory cap holds half as many entries.
     """
     return "bf16" if device is not None and str(device).startswith("cuda") else "fp32"
 
