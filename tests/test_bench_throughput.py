@@ -80,3 +80,16 @@ def test_decode_step_syncs_once_on_cuda():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert len([w for w in caught if "synchroniz" in str(w.message).lower()]) == 4  # the sampler, once a step
+
+
+def test_compress_share_counts_requests_cut_by_the_time_limit():
+    """With --max-seconds nothing may finish; the compression time of the aborted requests still counts."""
+    from skipkv import load_model
+    from skipkv.bench.throughput import Workload, run_engine
+
+    bundle = load_model("random:qwen2", dtype="fp32")
+    work = Workload("t", [list(range(5, 25))] * 3, [SamplingParams(max_new_tokens=400, ignore_eos=True)] * 3)
+    run = run_engine(bundle, make_policy("rkv", budget=12, window=4, interval=2), work, EngineConfig(), "rkv",
+                     max_seconds=0.5)
+    assert run.requests_per_s == 0  # cut before any request finished
+    assert run.compress_share > 0

@@ -46,6 +46,7 @@ class EngineStats:
     kv_cap_bytes: int  # EngineConfig.kv_memory (0 = no cap)
     generated_tokens: int  # cumulative
     compressions: int  # cumulative (one per request compressed)
+    compress_seconds: float  # cumulative wall time spent compressing
     prefill_tokens: int  # prompt tokens prefilled in this step
     step_seconds: float
 
@@ -256,6 +257,7 @@ class Engine:
                            kv_held_bytes=int(store.lengths.sum()) * store.bytes_per_entry,
                            kv_allocated_bytes=store.allocated_bytes(), kv_cap_bytes=self.config.kv_memory,
                            generated_tokens=self._generated, compressions=runner.compressions,
+                           compress_seconds=runner.compress_seconds,
                            prefill_tokens=prefill_tokens, step_seconds=step_seconds)
 
     def close(self) -> None:

@@ -60,6 +60,7 @@ class ModelRunner:
         self._cohort_stage = 0  # entries the cohort's staging needs (scheduler.staging)
         self._last_hidden: list[torch.Tensor | None] = []
         self.compressions = 0  # rows compressed, cumulative
+        self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
 
     @property
     def entry_bytes(self) -> int:
@@ -258,7 +259,9 @@ class ModelRunner:
                     slots = to_device(host_slots, self.store.device)
                     states = [r.state for _, r in group]
                     self.store.compact(l, host_slots, policy.select(self._observe(policy, l, slots, n, is_prefill, states)))
-        share = (time.perf_counter() - t0) / len(rows)
+        spent = time.perf_counter() - t0
+        self.compress_seconds += spent
+        share = spent / len(rows)
         if self.trace:  # outside the timing: compress_seconds is the same with or without tracing
             self._record_trace(rows)
         self.compressions += len(done)
