@@ -93,3 +93,23 @@ def test_compress_share_counts_requests_cut_by_the_time_limit():
                      max_seconds=0.5)
     assert run.requests_per_s == 0  # cut before any request finished
     assert run.compress_share > 0
+
+
+def test_batch_sweep_repeats_alternate_engine_and_transformers(tmp_path, monkeypatch):
+    import skipkv.bench.throughput as tp
+
+    order = []
+    real_engine, real_hf = tp.run_engine, tp.run_hf
+    monkeypatch.setattr(tp, "run_engine", lambda *a, **k: (order.append("E"), real_engine(*a, **k))[1])
+    monkeypatch.setattr(tp, "run_hf", lambda *a, **k: (order.append("T"), real_hf(*a, **k))[1])
+    out = tmp_path / "s.json"
+    assert main(["bench", "throughput", "--model", "random:qwen2", "--workload", "synthetic:8x6", "--requests", "2",
+                 "--policies", "full", "--batch-sweep", "2", "--hf-reference", "--repeats", "3", "--dtype", "fp32",
+                 "--out", str(out)]) == 0
+    assert "".join(order) == "E" + "ET" * 3  # the warm-up, then three back-to-back pairs
+    (point,) = json.loads(out.read_text())["sweep"]
+    assert len(point["engine_runs"]) == len(point["hf_runs"]) == 3
+    ratios = sorted(e / h for e, h in zip(point["engine_runs"], point["hf_runs"]))
+    assert point["ratio"] == pytest.approx(ratios[1])
+    assert point["tokens_per_s"] == pytest.approx(sorted(point["engine_runs"])[1])
+    assert main(["bench", "throughput", "--model", "random:qwen2", "--repeats", "0"]) == 2

@@ -71,6 +71,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         POLICIES.get(p)  # one-line error for an unknown name, before loading a model
     if args.requests < 1:
         raise SkipKVError(f"--requests must be positive, got {args.requests}")
+    if args.repeats < 1:
+        raise SkipKVError(f"--repeats must be at least 1, got {args.repeats}")
     if args.max_seconds is not None and (args.max_seconds <= 0 or args.hf_reference):
         raise SkipKVError("--max-seconds must be positive and cannot be combined with --hf-reference")
     knobs = {"budget": args.budget, "interval": args.interval, "window": args.window}
@@ -78,7 +80,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
               batch_sweep=_batches(args.batch_sweep) if args.batch_sweep else None, hf_reference=args.hf_reference,
               max_new_tokens=args.max_new_tokens, prefill_chunk=args.prefill_chunk,
               prefill_budget=args.prefill_budget, dtype=args.dtype, device=args.device, seed=args.seed,
-              out=args.out, plot_path=args.plot, max_seconds=args.max_seconds)
+              out=args.out, plot_path=args.plot, max_seconds=args.max_seconds, repeats=args.repeats)
     return 0
 
 
@@ -147,6 +149,8 @@ def register(sub) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     t.add_argument("--out", help="write the JSON report here (checked writable before running)")
     t.add_argument("--plot", help="PNG path (default: --out with .png)")
+    t.add_argument("--repeats", type=int, default=1,
+                   help="batch sweep: runs per batch, engine and transformers alternating (medians reported)")
     t.add_argument("--max-seconds", type=float, help="cut each engine run after this long (rates over the window)")
     t.set_defaults(func=cmd_throughput)
     s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (requests/s, tokens/s, TTFT, ITL)")

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,8 +82,11 @@ class HFRun:
 class SweepPoint:
     policy: str
     batch: int
-    tokens_per_s: float
-    hf_tokens_per_s: float | None = None
+    tokens_per_s: float  # the median over repeats
+    hf_tokens_per_s: float | None = None  # the median over repeats
+    engine_runs: list[float] = field(default_factory=list)  # tokens/s of each repeat, in run order
+    hf_runs: list[float] = field(default_factory=list)  # interleaved with engine_runs: E, T, E, T, ...
+    ratio: float | None = None  # engine / transformers: the median of the per-repeat ratios (pairs ran back to back)
 
 
 @dataclass
@@ -262,11 +266,14 @@ def format_table(rep: Report) -> str:
                              if r.policy != "full"]
     if rep.sweep:
         lines += ["", "batch sweep (no memory cap; B requests at batch B)", "",
-                  "| policy | batch | tokens/s | transformers generate tokens/s | engine / transformers |",
+                  "| policy | batch | tokens/s | transformers generate tokens/s | engine / transformers (each repeat) |",
                   "|---|---|---|---|---|"]
         for p in rep.sweep:
             hf = f"{p.hf_tokens_per_s:.1f}" if p.hf_tokens_per_s else "-"
-            ratio = f"{p.tokens_per_s / p.hf_tokens_per_s:.2f}" if p.hf_tokens_per_s else "-"
+            ratio = "-"
+            if p.hf_runs:
+                each = ", ".join(f"{e / h:.2f}" for e, h in zip(p.engine_runs, p.hf_runs))
+                ratio = f"{p.ratio:.3f}" + (f" ({each})" if len(p.hf_runs) > 1 else "")
             lines.append(f"| {p.policy} | {p.batch} | {p.tokens_per_s:.1f} | {hf} | {ratio} |")
     return "\n".join(lines)
 
@@ -338,7 +345,8 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
               batch_size: int | None = None, batch_sweep: list[int] | None = None, hf_reference: bool = False,
               max_new_tokens: int | None = None, prefill_chunk: int = 0, prefill_budget: int = 0,
               dtype: str = "auto", device: str | None = None, seed: int = 0, out: str | None = None,
-              plot_path: str | None = None, max_seconds: float | None = None, bundle=None) -> Report:
+              plot_path: str | None = None, max_seconds: float | None = None, bundle=None,
+              repeats: int = 1) -> Report:
     from skipkv.models import auto_dtype, load_model, resolve_dtype
 
     if dtype == "auto":
@@ -352,6 +360,8 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
     check_writable(plot_path)
     made = {n: make_policy(n, **({} if n == "full" else {k: v for k, v in knobs.items() if v is not None}))
             for n in policies}
+    if repeats < 1:
+        raise SkipKVError(f"--repeats must be at least 1, got {repeats}")
     sweep = sorted(set(batch_sweep or []))
     if sweep and max(sweep) > requests:
         raise SkipKVError(f"--batch-sweep goes up to {max(sweep)} but --requests is {requests}")
@@ -383,13 +393,21 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
     for name, policy in made.items():
         for b in sweep:
             sub = Workload(work.name, work.prompts[:b], work.sampling[:b])
-            r = run_engine(bundle, policy, sub, EngineConfig(batch_size=b, prefill_chunk=prefill_chunk,
-                                                             prefill_budget=prefill_budget), name, max_seconds)
-            point = SweepPoint(name, b, r.tokens_per_s)
-            if hf_reference and name == policies[0]:
-                point.hf_tokens_per_s = run_hf(bundle, sub, b).tokens_per_s
-            print(f"{name} batch {b}: {r.tokens_per_s:.1f} tokens/s"
-                  + (f" (transformers {point.hf_tokens_per_s:.1f})" if point.hf_tokens_per_s else ""), flush=True)
+            point = SweepPoint(name, b, 0.0)
+            # Engine and transformers alternate, so load that drifts during the run hits both alike.
+            for _ in range(repeats):
+                r = run_engine(bundle, policy, sub, EngineConfig(batch_size=b, prefill_chunk=prefill_chunk,
+                                                                 prefill_budget=prefill_budget), name, max_seconds)
+                point.engine_runs.append(r.tokens_per_s)
+                if hf_reference and name == policies[0]:
+                    point.hf_runs.append(run_hf(bundle, sub, b).tokens_per_s)
+            point.tokens_per_s = statistics.median(point.engine_runs)
+            if point.hf_runs:
+                point.hf_tokens_per_s = statistics.median(point.hf_runs)
+                point.ratio = statistics.median(e / h for e, h in zip(point.engine_runs, point.hf_runs))
+            print(f"{name} batch {b}: {point.tokens_per_s:.1f} tokens/s"
+                  + (f" (transformers {point.hf_tokens_per_s:.1f}; engine/transformers {point.ratio:.3f}, "
+                     f"median of {repeats})" if point.hf_runs else ""), flush=True)
             rep.sweep.append(point)
         if sweep:
             rep.saturation_batch[name] = saturation([p for p in rep.sweep if p.policy == name])
