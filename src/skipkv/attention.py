@@ -101,14 +101,17 @@ class StepContext:
 
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, layer: int, T: int, K: int, device: torch.device) -> torch.Tensor:
-        """[B, 1, T, K] bool: key j is visible to query i of row b iff j <= len_b + i (len before this forward).
+    def mask(self, layer: int, T: int, K: int, device: torch.device) -> torch.Tensor | None:
+        """[B, 1, T, K] bool: key j is visible to query i of row b iff j <= len_b + i (len before this forward);
+        None when every key is visible to every query (a decode step whose rows all hold K - 1 entries).
 
         Built once per forward and shared by every layer holding the same lengths (all of them, unless a
         model-wide policy gave layers different lengths)."""
         base = self.store.lengths[layer, self.start:self.start + len(self.real)]
         key = (K, tuple(base.tolist()))
-        if key not in self._masks:
+        if key not in self._masks and T == 1 and min(key[1]) + 1 == K:
+            self._masks[key] = None  # one query per row, every row at the same length: every key is visible
+        elif key not in self._masks:
             limit = to_device(base, device)[:, None] + torch.arange(T, device=device)  # [B, T]
             self._masks[key] = (torch.arange(K, device=device)[None, None, :] <= limit[:, :, None])[:, None]
         return self._masks[key]
@@ -136,7 +139,9 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     G = Hq // H
     scale = scaling if scaling is not None else D**-0.5
     logits = torch.matmul(query.reshape(B, H, G * T, D).float(), key.float().transpose(-1, -2)) * scale  # [B, H, G*T, K]
-    logits = logits.view(B, H, G, T, K).masked_fill(~mask[:, :, None], float("-inf"))
+    logits = logits.view(B, H, G, T, K)
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if ctx.accumulate:
         real_q = torch.arange(T, device=query.device)[None, :] < to_device(ctx.real, query.device)[:, None]  # [B, T]
