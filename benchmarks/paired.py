@@ -8,27 +8,10 @@ records carry (e.g. SkipKV's flagged_sentences).
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 0.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
-
-
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value: binomial test of b successes in b + c trials at 1/2."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(0, min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+from skipkv.report.stats import mcnemar_exact, wilson
 
 
 def load(run: Path) -> dict:

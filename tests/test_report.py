@@ -14,6 +14,7 @@ from skipkv.errors import SkipKVError
 from skipkv.report.aggregate import aggregate, needle_grid
 from skipkv.report.build import build_report
 from skipkv.report.runs import find_run_dirs, load_runs, read_records
+from skipkv.report.tables import markdown_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -138,7 +139,7 @@ def test_report_writes_markdown_and_plots(sweep, tmp_path):
     report = build_report([sweep], out, fmt="md")
     md = (out / "report.md").read_text()
     assert "## gsm8k — random:qwen2" in md
-    assert "| rkv | 128 | 60.0 | 160.0 | 115.2 | 128 | — | 3.00 | 5 | 2 |" in md
+    assert "| rkv | 128 | 60.0 | 23.1–88.2 | 160.0 | 115.2 | 128 | — | 3.00 | 5 | 2 |" in md
     assert "| full | full | 100.0 |" in md
     names = sorted(p.path.name for p in report.plots)
     assert names == ["gsm8k_accuracy.png", "gsm8k_gen_len.png"]
@@ -193,7 +194,7 @@ def test_missing_stats_show_as_dash(tmp_path):
     (section,) = aggregate(load_runs([tmp_path]))
     assert math.isnan(section.rows[0].mean_kv_tokens)
     md = build_report([tmp_path], tmp_path / "rep", fmt="md").markdown_path.read_text()
-    assert "| rkv | 128 | 100.0 | 10.0 | — | — | — | — | 1 | 1 |" in md
+    assert "| rkv | 128 | 100.0 | 20.7–100.0 | 10.0 | — | — | — | — | 1 | 1 |" in md
 
 
 def _main(monkeypatch, argv: list[str]) -> int:
@@ -220,3 +221,29 @@ def test_cli_report_errors_are_one_line(monkeypatch, sweep, tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
     assert _main(monkeypatch, ["report", str(sweep), str(sweep)]) == 2
     assert "give --out" in capsys.readouterr().err
+
+
+def test_intervals_and_mcnemar_against_known_values():
+    from skipkv.report.stats import bootstrap, interval, mcnemar_exact, wilson
+
+    lo, hi = wilson(7, 100)
+    assert lo == pytest.approx(0.0343, abs=5e-4) and hi == pytest.approx(0.1375, abs=5e-4)
+    assert wilson(0, 10) == (0.0, pytest.approx(0.2775, abs=5e-4))
+    assert mcnemar_exact(0, 6) == pytest.approx(2 / 64) and mcnemar_exact(3, 3) == 1.0
+    assert interval([1.0, 0.0, 0.0, 1.0]) == wilson(2, 4)
+    frac = [0.5, 1.0, 0.0, 0.25, 0.75] * 8
+    assert interval(frac) == bootstrap(frac)
+    lo, hi = interval(frac)
+    assert lo < sum(frac) / len(frac) < hi
+
+
+def test_report_rows_carry_the_interval(tmp_path):
+    from skipkv.report.stats import wilson
+
+    recs = [{"id": str(i), "correct": i < 3, "generated_tokens": 10} for i in range(10)]
+    write_run(tmp_path / "r", recs, budget=64)
+    section = aggregate(load_runs([tmp_path]))[0]
+    row = section.rows[0]
+    assert row.accuracy == pytest.approx(0.3) and row.accuracy_ci == wilson(3, 10)
+    lo, hi = wilson(3, 10)
+    assert f"| 30.0 | {100 * lo:.1f}–{100 * hi:.1f} |" in markdown_table(section)

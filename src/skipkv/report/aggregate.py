@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from skipkv.report.runs import Run
+from skipkv.report.stats import interval
 
 MIB = 1 << 20
 # Keys that are the x-axis or pooled over, hence never part of a policy-variant label.
@@ -54,6 +55,7 @@ class Row:
     peak_kv_tokens: float  # max over records
     peak_kv_mib: float  # max over records of peak KV bytes, in MiB
     mean_decode_kv_tokens: float = math.nan  # mean over records of the peak KV length over decode steps only
+    accuracy_ci: tuple[float, float] = (math.nan, math.nan)  # 95% interval of `accuracy` (report/stats.interval)
     ratio_of: str = "the full cache"  # what `ratio` is a fraction of
     records: tuple[dict[str, Any], ...] = field(default=(), repr=False, compare=False)
 
@@ -93,13 +95,18 @@ def pass_at_1(runs_records: Sequence[Sequence[dict[str, Any]]]) -> float:
     The runner's summary.json defines accuracy this way; an example with more finished samples than
     another does not weigh more. A record without a grade counts as wrong.
     """
+    return _mean(per_example_scores(runs_records))
+
+
+def per_example_scores(runs_records: Sequence[Sequence[dict[str, Any]]]) -> list[float]:
+    """Per example (of every run), the mean of `correct` over its samples: what pass@1 averages."""
     per_example: list[float] = []
     for records in runs_records:
         by_id: dict[str, list[float]] = {}
         for r in records:
             by_id.setdefault(str(r.get("id")), []).append(1.0 if r.get("correct") is True else 0.0)
         per_example += [sum(v) / len(v) for v in by_id.values()]
-    return _mean(per_example)
+    return per_example
 
 
 def summarize(runs_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, float]:
@@ -107,8 +114,10 @@ def summarize(runs_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, flo
     records = [r for recs in runs_records for r in recs]
     kv_tokens = _values(records, "peak_kv_tokens")
     kv_bytes = _values(records, "peak_kv_bytes")
+    scores = per_example_scores(runs_records)
     return {
-        "accuracy": pass_at_1(runs_records),
+        "accuracy": _mean(scores),
+        "accuracy_ci": interval(scores) if scores else (math.nan, math.nan),
         "mean_generated_tokens": _mean(_values(records, "generated_tokens")),
         "mean_kv_tokens": _mean(kv_tokens),
         "peak_kv_tokens": max(kv_tokens) if kv_tokens else math.nan,

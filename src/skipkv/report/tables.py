@@ -22,6 +22,7 @@ COLUMNS: list[tuple[str, Callable[[Row], str], bool]] = [
     ("policy", lambda r: r.policy, False),
     ("budget", lambda r: r.budget_label, True),
     ("acc (%)", lambda r: _num(100 * r.accuracy, 1), True),
+    ("95% CI", lambda r: f"{_num(100 * r.accuracy_ci[0], 1)}–{_num(100 * r.accuracy_ci[1], 1)}", True),
     ("gen len (tok)", lambda r: _num(r.mean_generated_tokens, 1), True),
     ("KV mean (tok)", lambda r: _num(r.mean_kv_tokens, 1), True),
     ("KV peak (tok)", lambda r: _num(r.peak_kv_tokens, 0), True),
@@ -32,7 +33,7 @@ COLUMNS: list[tuple[str, Callable[[Row], str], bool]] = [
 ]
 
 COLUMN_NOTE = ("acc: pass@1 (per example the mean over its samples, then the mean over examples, pooled over "
-               "seeds); gen len: mean generated tokens; KV mean: the mean over examples of each example's peak KV "
+               "seeds); 95% CI: Wilson score interval over examples (a seeded bootstrap when scores are fractional); gen len: mean generated tokens; KV mean: the mean over examples of each example's peak KV "
                "length per kv head, as the engine measured it (it can include a prompt before its first compression); "
                "KV peak: the maximum; KV decode: the mean of each example's peak over decode steps only (after a "
                "long prompt was compressed); budget: "
