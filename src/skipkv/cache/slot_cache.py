@@ -21,7 +21,8 @@ class SlotCache(Cache):
         self.positions: torch.Tensor | None = None  # [B, T] true positions of the current forward's tokens
 
     def bind(self, start: int, positions: torch.Tensor) -> None:
-        self.start, self.positions = start, positions
+        # Stored as int32 once per forward (the store's position dtype), not once per layer.
+        self.start, self.positions = start, positions.to(torch.int32)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         assert self.positions is not None, "SlotCache.bind() must be called before a forward"

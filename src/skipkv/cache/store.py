@@ -162,15 +162,15 @@ class KVStore:
         """
         B, _, T, _ = k_new.shape
         base = self.lengths[layer, start:start + B]
-        top = int(base.max()) + T
+        b0, top = (int(base[0]),) * 2 if B == 1 else (int(base.min()), int(base.max()))
+        top += T
         if top > self.capacities[layer]:
             raise RuntimeError(f"KV slot overflow: need {top} entries in layer {layer}, capacity {self.capacities[layer]}")
-        b0 = int(base.min())
         if b0 + T == top:
             # Every row at the same length (always so at batch 1): plain slice writes, no index tensors.
             self.k[layer][start:start + B, :, b0:top] = k_new
             self.v[layer][start:start + B, :, b0:top] = v_new
-            self.pos[layer][start:start + B, :, b0:top] = positions.to(torch.int32)[:, None, :]
+            self.pos[layer][start:start + B, :, b0:top] = positions[:, None, :]
             for n in self.aux_names:  # a reused entry must not inherit the previous occupant's accumulator
                 self.aux[n][layer][start:start + B, :, b0:top] = 0.0
             return self.k[layer][start:start + B, :, :top], self.v[layer][start:start + B, :, :top]

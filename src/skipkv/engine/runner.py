@@ -61,6 +61,8 @@ class ModelRunner:
         self._last_hidden: list[torch.Tensor | None] = []
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
+        self._reshape_due = True  # something changed what the store must hold since the last fit()
+        self._fitted_exact: bool | None = None
 
     @property
     def entry_bytes(self) -> int:
@@ -133,6 +135,11 @@ class ModelRunner:
     def fit(self, exact: bool) -> None:
         """Shape the store for the live requests: exactly (freeing memory at once), or only growing where it
         is too small (a slot about to be refilled is not freed and reallocated)."""
+        # Between events that change what the live requests need (admission, a prompt chunk, a compression, a
+        # release) a decode step only fills capacity that was reserved for it: nothing to recompute.
+        if not self._reshape_due and exact == self._fitted_exact:
+            return
+        self._reshape_due, self._fitted_exact = False, exact
         slots, caps = self.needed_shape()
         if not exact and slots <= self.store.num_slots and all(c <= h for c, h in zip(caps, self.store.capacities)):
             return
@@ -146,6 +153,7 @@ class ModelRunner:
         if self.cohort:
             raise RuntimeError("a cohort is still prefilling")
         self._prepare(new)
+        self._reshape_due = True
         self.cohort = list(new)
         self.cohort_start = len(self.running)
         self._chunk_at = 0
@@ -162,6 +170,7 @@ class ModelRunner:
         """Prefill the cohort's next chunk. Returns (real prompt tokens processed, [(request, first token)]
         for every cohort request once the whole cohort is done, else [])."""
         device = self.store.device
+        self._reshape_due = True
         new, start, k = self.cohort, self.cohort_start, len(self.cohort)
         c0 = self._chunk_at
         c1 = min(c0 + chunk_width(self.prefill_chunk, self._cohort_len), self._cohort_len)
@@ -239,6 +248,7 @@ class ModelRunner:
         every layer of one row at once (rows split the budget differently)."""
         if not rows:
             return
+        self._reshape_due = True
         t0 = time.perf_counter()
         # Per-request work that does not depend on the layer (e.g. SkipKV's sentence comparison): once per compression.
         by_policy: dict[Policy, list] = {}
@@ -328,6 +338,7 @@ class ModelRunner:
     def release(self, finished: list[Request]) -> None:
         """Drop finished (or aborted) requests, running or still prefilling, keeping each group contiguous:
         the last request of its group moves into the freed slot."""
+        self._reshape_due = True
         for r in finished:
             group, base = (self.running, 0) if any(x is r for x in self.running) else (self.cohort, self.cohort_start)
             i = next(j for j, x in enumerate(group) if x is r)
