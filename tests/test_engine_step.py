@@ -177,3 +177,25 @@ def test_one_open_engine_per_model(tiny):
         with pytest.raises(SkipKVError, match="another Engine"):
             Engine(tiny, make_policy("full"))
     Engine(tiny, make_policy("full")).close()  # closed: the model is free again
+
+
+@pytest.mark.parametrize("name, knobs", [("rkv", RKV), ("pyramidkv", dict(budget=24, window=4, interval=8, prefill_window=4, phase="both"))])
+def test_store_follows_what_is_kept_after_every_step(tiny, name, knobs):
+    """With nobody waiting, after every step the store is shaped exactly as the live requests need (the runner
+    skips re-fitting between events: a compression late in a request, when what it keeps plus its remaining
+    growth falls below its reservation, must still shrink the store)."""
+    eng = Engine(tiny, make_policy(name, **knobs), EngineConfig(batch_size=4))
+    try:
+        for p, n in zip(PROMPTS, (40, 23, 31, 17)):
+            eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        shrunk = False
+        while eng.has_unfinished():
+            before = list(eng.runner.store.capacities)
+            eng.step()
+            if not eng.scheduler:
+                slots, caps = eng.runner.needed_shape()
+                assert (eng.runner.store.num_slots, eng.runner.store.capacities) == (slots, caps)
+                shrunk |= bool(eng.runner.running) and any(c < b for c, b in zip(caps, before))
+    finally:
+        eng.close()
+    assert shrunk  # the case above happened
