@@ -5,7 +5,8 @@ own `DynamicCache` plus the greedy pick, same prompt, same model, the two decode
 
 Whole-run tokens/s (`skipkv bench throughput --hf-reference`) mixes prefill, first-call costs and whatever
 else the machine does during a 15 s run; alternating single steps and taking the median of the per-step
-ratios is far less sensitive to that (on this shared VM a step's median drifts by 30% between rounds), so this is the figure that says whether the engine's decode loop costs more than transformers' own.
+ratios is far less sensitive to that (on this shared VM a step's median drifts by 30% between rounds), so
+this is the figure that says whether the engine's decode loop costs more than transformers' own.
 The engine's step includes everything it does per token: scheduling, memory accounting, the store append,
 the attention backend, the LM head and sampling.
 """
@@ -13,13 +14,13 @@ the attention backend, the LM head and sampling.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
 import torch
 from transformers import DynamicCache
 
+from skipkv.attention import BACKEND
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine import Engine
 from skipkv.models import load_model
@@ -35,20 +36,18 @@ def interleaved_steps(bundle, ids: list[int], n: int) -> tuple[list[float], list
     While the Engine is open the model runs the skipkv attention backend; each transformers step switches the
     model back to its own attention for that forward (the switch is outside the timing)."""
     model = bundle.model
+    theirs = model.config._attn_implementation  # before the Engine routes attention through its backend
     eng = Engine(bundle, make_policy("full"), EngineConfig(batch_size=1))
-    own = eng._backend  # restores the previous implementation on exit
-    ours, theirs = model.config._attn_implementation, None
     e_times, h_times = [], []
     try:
         eng.add_request(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
         eng.step()  # prefill
         with torch.inference_mode():
-            own.__exit__(None, None, None)
-            theirs = model.config._attn_implementation
+            model.set_attn_implementation(theirs)
             cache = DynamicCache(config=model.config)
             out = model(input_ids=torch.tensor([ids], device=bundle.device), cache=cache, use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            model.set_attn_implementation(ours)
+            model.set_attn_implementation(BACKEND)
             while eng.has_unfinished():
                 t = time.perf_counter()
                 eng.step()
@@ -59,11 +58,9 @@ def interleaved_steps(bundle, ids: list[int], n: int) -> tuple[list[float], list
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 nxt.item()  # the host reads the token, as the engine's sampler does
                 h_times.append(time.perf_counter() - t)
-                model.set_attn_implementation(ours)
+                model.set_attn_implementation(BACKEND)
     finally:
-        if theirs is not None:
-            model.set_attn_implementation(theirs)
-            eng._backend = contextlib.nullcontext()  # already restored
+        model.set_attn_implementation(BACKEND)  # as the Engine left it: close() restores `theirs`
         eng.close()
     return e_times, h_times
 

@@ -150,7 +150,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     scale = scaling if scaling is not None else D**-0.5
     logits = torch.matmul(query.reshape(B, H, G * T, D).float(), key.float().transpose(-1, -2)) * scale  # [B, H, G*T, K]
     logits = logits.view(B, H, G, T, K)
-    if mask is not None:  # None here only when accumulating
+    if mask is not None:  # None: every key is visible to every query
         logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if ctx.accumulate:
