@@ -11,7 +11,7 @@ import pytest
 
 from skipkv import cli
 from skipkv.errors import SkipKVError
-from skipkv.report.aggregate import aggregate, needle_grid
+from skipkv.report.aggregate import aggregate, layer_shares, needle_grid
 from skipkv.report.build import build_report
 from skipkv.report.runs import find_run_dirs, load_runs, read_records
 from skipkv.report.tables import markdown_table
@@ -139,7 +139,7 @@ def test_report_writes_markdown_and_plots(sweep, tmp_path):
     report = build_report([sweep], out, fmt="md")
     md = (out / "report.md").read_text()
     assert "## gsm8k — random:qwen2" in md
-    assert "| rkv | 128 | 60.0 | 23.1–88.2 | 160.0 | 115.2 | 128 | — | 3.00 | 5 | 2 |" in md
+    assert "| rkv | 128 | 60.0 | 23.1–88.2 | 160.0 | 115.2 | 128 | — | 3.00 | — | — | 5 | 2 |" in md
     assert "| full | full | 100.0 |" in md
     names = sorted(p.path.name for p in report.plots)
     assert names == ["gsm8k_accuracy.png", "gsm8k_gen_len.png"]
@@ -194,7 +194,7 @@ def test_missing_stats_show_as_dash(tmp_path):
     (section,) = aggregate(load_runs([tmp_path]))
     assert math.isnan(section.rows[0].mean_kv_tokens)
     md = build_report([tmp_path], tmp_path / "rep", fmt="md").markdown_path.read_text()
-    assert "| rkv | 128 | 100.0 | 20.7–100.0 | 10.0 | — | — | — | — | 1 | 1 |" in md
+    assert "| rkv | 128 | 100.0 | 20.7–100.0 | 10.0 | — | — | — | — | — | — | 1 | 1 |" in md
 
 
 def _main(monkeypatch, argv: list[str]) -> int:
@@ -247,3 +247,27 @@ def test_report_rows_carry_the_interval(tmp_path):
     assert row.accuracy == pytest.approx(0.3) and row.accuracy_ci == wilson(3, 10)
     lo, hi = wilson(3, 10)
     assert f"| 30.0 | {100 * lo:.1f}–{100 * hi:.1f} |" in markdown_table(section)
+
+
+def test_layer_budgets_are_plotted_when_layers_differ(tmp_path):
+    # LaProx-like run: layers keep different shares; SnapKV-like run: every layer the same
+    uneven = [record(i, True, 4, 40, prompt_tokens=100, layer_kv_tokens=[40 - 10 * i, 20, 10 + 10 * i],
+                     decode_peak_kv_bytes=(2 + i) << 20, compress_seconds=0.5 * (i + 1)) for i in range(2)]
+    even = [record(i, True, 4, 20, prompt_tokens=100, layer_kv_tokens=[20, 20, 20]) for i in range(2)]
+    write_run(tmp_path / "r" / "laprox", uneven, dataset="niah", policy="laprox", budget=20)
+    write_run(tmp_path / "r" / "snapkv", even, dataset="niah", policy="snapkv", budget=20)
+    (section,) = aggregate(load_runs([tmp_path / "r"]))
+    lap = next(r for r in section.rows if r.policy == "laprox")
+    # naive: per layer, the mean over records of kept / prompt
+    expect = [sum(rec["layer_kv_tokens"][layer] / 100 for rec in uneven) / 2 for layer in range(3)]
+    assert layer_shares(lap.records) == pytest.approx(expect) == [0.35, 0.2, 0.15]
+    assert lap.mean_decode_kv_mib == pytest.approx(2.5) and lap.mean_compress_seconds == pytest.approx(0.75)
+    report = build_report([tmp_path / "r"], tmp_path / "rep", fmt="md")
+    assert "niah_layer_budgets.png" in [p.path.name for p in report.plots]
+    assert "| laprox | 20 | 100.0 | 34.2–100.0 | 4.0 | 40.0 | 40 | — | 0.04 | 2.50 | 0.75 | 2 | 1 |" in \
+        report.markdown_path.read_text()
+    # only uniform layers: no per-layer plot
+    report = build_report([tmp_path / "r" / "snapkv"], tmp_path / "rep2", fmt="md")
+    assert "niah_layer_budgets.png" not in [p.path.name for p in report.plots]
+    # layers disagree in number (records from two models): no shares rather than a wrong mean
+    assert layer_shares([uneven[0], {**even[0], "layer_kv_tokens": [20, 20]}]) is None

@@ -56,6 +56,8 @@ class Row:
     peak_kv_mib: float  # max over records of peak KV bytes, in MiB
     mean_decode_kv_tokens: float = math.nan  # mean over records of the peak KV length over decode steps only
     accuracy_ci: tuple[float, float] = (math.nan, math.nan)  # 95% interval of `accuracy` (report/stats.interval)
+    mean_decode_kv_mib: float = math.nan  # mean over records of the K/V bytes held over decode steps (MiB)
+    mean_compress_seconds: float = math.nan  # mean over records of the wall time spent compressing
     ratio_of: str = "the full cache"  # what `ratio` is a fraction of
     records: tuple[dict[str, Any], ...] = field(default=(), repr=False, compare=False)
 
@@ -123,7 +125,22 @@ def summarize(runs_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, flo
         "peak_kv_tokens": max(kv_tokens) if kv_tokens else math.nan,
         "peak_kv_mib": max(kv_bytes) / MIB if kv_bytes else math.nan,
         "mean_decode_kv_tokens": _mean(_values(records, "decode_peak_kv_tokens")),
+        "mean_decode_kv_mib": _mean(_values(records, "decode_peak_kv_bytes")) / MIB,
+        "mean_compress_seconds": _mean(_values(records, "compress_seconds")),
     }
+
+
+def layer_shares(records: Iterable[dict[str, Any]]) -> list[float] | None:
+    """Per layer, the mean over records of the entries that layer held at the end, as a share of the prompt.
+
+    What a model-wide (LaProx) or per-layer (PyramidKV) budget gave each layer (the LaProx paper's Figure 6).
+    None when no record has `layer_kv_tokens` or the records disagree on the number of layers.
+    """
+    rows = [[n / r["prompt_tokens"] for n in r["layer_kv_tokens"]] for r in records
+            if r.get("layer_kv_tokens") and isinstance(r.get("prompt_tokens"), int) and r["prompt_tokens"] > 0]
+    if not rows or len({len(x) for x in rows}) != 1:
+        return None
+    return [sum(col) / len(col) for col in zip(*rows)]
 
 
 def _canon(value: Any) -> str:

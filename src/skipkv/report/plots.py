@@ -20,7 +20,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from skipkv.report.aggregate import Row, Section, natural_key, needle_grid
+from skipkv.report.aggregate import Row, Section, layer_shares, natural_key, needle_grid
 from skipkv.report.runs import FULL_POLICIES
 
 DPI = 130
@@ -170,6 +170,47 @@ def _needle_plot(section: Section, policy: str, rows: list[Row], path: Path) -> 
     fig.savefig(path)
 
 
+def _layer_plot(section: Section, path: Path) -> bool:
+    """Per budget a panel: the share of the prompt each layer kept, one line per policy (LaProx's Figure 6).
+
+    Drawn only when some policy gave its layers different lengths (a uniform policy is a flat line, shown
+    beside them for reference). False if there is nothing to draw.
+    """
+    panels: dict[str, list[tuple[str, list[float], int]]] = {}
+    order: dict[str, Row] = {}
+    uneven = False
+    for row in section.rows:
+        shares = None if row.is_full else layer_shares(row.records)
+        if shares is None:
+            continue
+        uneven |= max(shares) - min(shares) > 1e-9
+        panels.setdefault(row.budget_label, []).append((row.policy, shares, row.n))
+        order.setdefault(row.budget_label, row)
+    if not uneven:
+        return False
+    labels = sorted(panels, key=lambda b: _budget_order_key(order[b]))
+    colors = _colors(sorted({p for lines in panels.values() for p, _, _ in lines}))
+    fig = Figure(figsize=(1.0 + 5.2 * len(labels), 4.4), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(labels), squeeze=False)[0]
+    for ax, label in zip(axes, labels):
+        for k, (policy, shares, n) in enumerate(sorted(panels[label], key=lambda t: natural_key(t[0]))):
+            ax.plot(range(len(shares)), [100 * v for v in shares], marker=MARKERS[k % len(MARKERS)], markersize=4,
+                    linewidth=1.6, color=colors[policy], label=f"{policy} (n={n})")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("entries kept (% of the prompt)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"budget {label}" + ("" if order[label].budget is None else " tok"), fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{section.dataset}: what each layer kept (mean over examples)\n{section.model}", fontsize=11)
+    fig.savefig(path)
+    return True
+
+
+def _budget_order_key(row: Row) -> tuple:
+    return (0, float(row.budget)) if row.budget is not None else (1, row.ratio if row.ratio is not None else math.inf)
+
+
 def plot_section(section: Section, out_dir: Path, prefix: str) -> list[Plot]:
     """Write the section's PNGs under `out_dir` as `<prefix>_*.png`; returns them with captions."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -180,6 +221,9 @@ def plot_section(section: Section, out_dir: Path, prefix: str) -> list[Plot]:
             if _budget_plot(section, metric, by_ratio, out_dir / name):
                 plots.append(Plot(out_dir / name, f"{section.dataset}: {metric.title}"
                                   + (" (budget as a ratio)" if by_ratio else "")))
+    name = f"{prefix}_layer_budgets.png"
+    if _layer_plot(section, out_dir / name):
+        plots.append(Plot(out_dir / name, f"{section.dataset}: entries each layer kept, as a share of the prompt"))
     if section.is_needle:
         policies: dict[str, list[Row]] = {}
         for row in section.rows:
