@@ -13,6 +13,7 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.cli import main
 from skipkv.config import EngineConfig
+from skipkv.errors import SkipKVError
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.sentences import TokenTables
@@ -154,6 +155,15 @@ def test_build_from_chains_is_the_class_mean_difference(tiny):
                 (neg if classify_step(step) == "execution" else pos).append(got[0][len(p) + b])
         want = torch.stack(pos).mean(0) - torch.stack(neg).mean(0)
         torch.testing.assert_close(vectors[L].double(), want.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_build_from_chains_that_never_reflect_says_so(tiny):
+    # the offline Qwen coder models' case: execution steps only -> the error names the model, not the sample size
+    tok = tiny.tokenizer
+    prompt = tok.encode("Q: two plus two?\n")
+    chains = [(f"ex{i}", prompt, tok.encode("Go.\n\nAdd 2 and 2.\n\nIt is 4.")) for i in range(2)]
+    with pytest.raises(SkipKVError, match="'execution': 4, 'reflection': 0.*may not re-check itself"):
+        build_from_chains(tiny, chains, [0])
 
 
 # ------------------------------------------------------------------------------------------- bad input

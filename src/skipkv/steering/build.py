@@ -114,8 +114,12 @@ def build_from_chains(bundle, chains: list[tuple[str, list[int], list[int]]], la
     counts = {c: sum(s.label == c for s in steps) for c in CLASSES}
     vectors = {L: direction(steps, L) for L in layers}
     if any(v is None for v in vectors.values()):
+        hint = ("no step reflects or changes approach: this model may not re-check itself at all (see "
+                "benchmarks/reflection_rate.py on its eval runs), and a vector needs a model that does"
+                if counts["execution"] and not counts["reflection"] + counts["transition"]
+                else "use more examples or longer generations")
         raise SkipKVError(f"steering build found {counts} steps at \\n\\n tokens in {len(chains)} chains; it needs "
-                          "both execution and reflection/transition steps (use more examples or longer generations)")
+                          f"both execution and reflection/transition steps ({hint})")
     sep = separability(steps, layers, len(chains))
     scored = [(sep[L]["auc"], -k, L) for k, L in enumerate(layers) if sep[L]["auc"] is not None]
     best = max(scored)[2] if scored else layers[0]
