@@ -133,6 +133,27 @@ def test_h2o_accumulates_attention_over_steps(tiny):
     assert (acc > 0).all()
 
 
+@pytest.mark.parametrize("block_bytes", [1 << 28, 1], ids=["one-block", "one-query-per-block"])
+def test_h2o_prefill_accumulation_equals_the_reference(tiny, monkeypatch, block_bytes):
+    """A fresh prefill of a ragged batch (pad rows included) accumulates, per key, the attention it receives
+    from every real prompt query and query head of its group: the independent reference decoder's sums."""
+    from refdecoder import ref_generate
+    from skipkv import attention
+
+    monkeypatch.setattr(attention, "ACCUMULATE_BLOCK_BYTES", block_bytes)
+    policy = make_policy("h2o", budget=256, window=4, interval=8)
+    reqs = make_requests(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=1, ignore_eos=True), policy)
+    assert reqs[0].prompt_len != reqs[1].prompt_len
+    runner = ModelRunner(tiny, policy, num_slots=2)
+    with attention_backend(tiny.model), torch.inference_mode():
+        runner.prefill(reqs)
+    for slot, r in enumerate(reqs):
+        P = r.prompt_len
+        _, _, st = ref_generate(tiny, r.prompt_ids, 1, dict(name="h2o", budget=256, window=4, interval=8))
+        got = torch.stack([a[slot, :, :P] for a in runner.store.aux["attn"]]).double()  # [L, H, P]
+        torch.testing.assert_close(got, st.attn[:, :, :P], rtol=1e-5, atol=1e-6)  # our sums are fp32
+
+
 def test_streaming_llm_keeps_sinks_and_newest(tiny):
     policy = make_policy("streaming_llm", budget=12, sink=4, window=0, interval=4)
     reqs = make_requests(tiny, PROMPTS[1:2], SamplingParams(max_new_tokens=10, ignore_eos=True), policy)

@@ -133,6 +133,13 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         # right-padded rows, and needs no [B, 1, T, K] mask, so SDPA can take its fused, O(T)-memory path.
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
         return out.transpose(1, 2).contiguous(), None
+    if ctx.accumulate and T == K and T > 1:
+        # A fresh prefill for H2O: the output from the same fused causal call as every other policy's prefill,
+        # and the attention each key receives summed in query blocks, so no [T, T] matrix per head is ever
+        # held (at 8K the whole one took 16x the prefill's time: 563 vs 35 s, benchmarks/prefill_time.py).
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
+        _accumulate_causal(ctx, layer, query, key, scaling)
+        return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
     if mask is None and not ctx.accumulate and query.dtype != torch.float32:
         # Every key visible to the one query of every row (batch 1, or rows of equal length), 16-bit: the very
@@ -159,6 +166,36 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
     out = torch.matmul(probs.view(B, H, G * T, K), value.float()).view(B, Hq, T, D).to(value.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+ACCUMULATE_BLOCK_BYTES = 1 << 28  # fp32 logits of one query block in _accumulate_causal (256 MiB)
+
+
+def _accumulate_causal(ctx: StepContext, layer: int, query: torch.Tensor, key: torch.Tensor,
+                       scaling: float | None) -> None:
+    """Add to store.aux["attn"] the causal attention probabilities each key receives over a fresh prefill,
+    summed over the real queries and the query heads of its kv group: what the masked path below adds, one
+    block of queries at a time (block i0..i1 sees keys < i1)."""
+    B, Hq, T, D = query.shape
+    H = key.shape[1]
+    G = Hq // H
+    scale = scaling if scaling is not None else D**-0.5
+    real = to_device(ctx.real, query.device)
+    acc = ctx.store.aux["attn"][layer]
+    block = max(1, min(T, ACCUMULATE_BLOCK_BYTES // (4 * B * Hq * T)))
+    keys_f = key.float().transpose(-1, -2)  # [B, H, D, T]
+    for i0 in range(0, T, block):
+        i1 = min(T, i0 + block)
+        c = i1 - i0
+        q = query[:, :, i0:i1].float().reshape(B, H, G * c, D)
+        logits = (torch.matmul(q, keys_f[..., :i1]) * scale).view(B, H, G, c, i1)
+        rows = torch.arange(i0, i1, device=query.device)
+        # keys before the block are visible to all of its queries: only the diagonal block needs the mask
+        above = torch.arange(i0, i1, device=query.device)[None, :] > rows[:, None]  # [c, c]
+        logits[..., i0:i1].masked_fill_(above, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        real_q = rows[None, :] < real[:, None]  # [B, c]
+        acc[ctx.start:ctx.start + B, :, :i1] += (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))
 
 
 def register() -> None:
