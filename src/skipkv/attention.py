@@ -136,7 +136,8 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if ctx.accumulate and T == K and T > 1:
         # A fresh prefill for H2O: the output from the same fused causal call as every other policy's prefill,
         # and the attention each key receives summed in query blocks, so no [T, T] matrix per head is ever
-        # held (at 8K the whole one took 16x the prefill's time: 563 vs 35 s, benchmarks/prefill_time.py).
+        # held (at 8K the whole one made the prefill 14x the full cache's, 563 vs 39 s; blocked, 5.3x: 290 vs 55 s,
+        # benchmarks/prefill_time.py; the rest is the fp32 product of every query with every key).
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
         _accumulate_causal(ctx, layer, query, key, scaling)
         return out.transpose(1, 2).contiguous(), None
