@@ -128,18 +128,15 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     H, K = key.shape[1], key.shape[2]
     if ctx.queries is not None:
         ctx.queries.write(layer, ctx.start, query, ctx.positions, ctx.real)
-    if not ctx.accumulate and T == K:
+    if T == K:
         # A fresh prefill (every slot was empty): plain causal attention is exact for the real tokens of
         # right-padded rows, and needs no [B, 1, T, K] mask, so SDPA can take its fused, O(T)-memory path.
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
-        return out.transpose(1, 2).contiguous(), None
-    if ctx.accumulate and T == K and T > 1:
-        # A fresh prefill for H2O: the output from the same fused causal call as every other policy's prefill,
-        # and the attention each key receives summed in query blocks, so no [T, T] matrix per head is ever
-        # held (at 8K the whole one made the prefill 14x the full cache's, 563 vs 39 s; blocked, 5.3x: 290 vs 55 s,
-        # benchmarks/prefill_time.py; the rest is the fp32 product of every query with every key).
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
-        _accumulate_causal(ctx, layer, query, key, scaling)
+        if ctx.accumulate:
+            # H2O: the attention each key receives, summed in query blocks, so no [T, T] matrix per head is held
+            # (at 8K the whole one made the prefill 14x the full cache's, 563 vs 39 s; blocked, 5.3x: 290 vs
+            # 55 s, benchmarks/prefill_time.py; the rest is the fp32 product of every query with every key).
+            _accumulate_causal(ctx, layer, query, key, scaling)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
     if mask is None and not ctx.accumulate and query.dtype != torch.float32:
@@ -192,7 +189,7 @@ def _accumulate_causal(ctx: StepContext, layer: int, query: torch.Tensor, key: t
         logits = (torch.matmul(q, keys_f[..., :i1]) * scale).view(B, H, G, c, i1)
         rows = torch.arange(i0, i1, device=query.device)
         # keys before the block are visible to all of its queries: only the diagonal block needs the mask
-        above = torch.arange(i0, i1, device=query.device)[None, :] > rows[:, None]  # [c, c]
+        above = rows[None, :] > rows[:, None]  # [c, c]
         logits[..., i0:i1].masked_fill_(above, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         real_q = rows[None, :] < real[:, None]  # [B, c]
