@@ -270,7 +270,8 @@ def test_pyramid_layer_budgets_and_real_lengths(sharp):
 def test_fidelity_layer_output_matches_the_model(tiny):
     """`layer_output` over the full store reproduces what each attention module returned for the window."""
     from skipkv.attention import attention_backend
-    from skipkv.bench.fidelity import _prefill, layer_output
+    from skipkv.bench.fidelity import layer_output
+    from skipkv.engine.shared import prefill_full
 
     ids = ragged_prompts(tiny.model.config.vocab_size, (60,))[0]
     seen = {}
@@ -278,7 +279,7 @@ def test_fidelity_layer_output_matches_the_model(tiny):
              for l, layer in enumerate(tiny.model.model.layers)]
     try:
         with attention_backend(tiny.model), torch.inference_mode():
-            run = _prefill(tiny, make_policy("full"), ids, window=8)
+            run = prefill_full(tiny, ids, 8)[0]
     finally:
         for h in hooks:
             h.remove()
@@ -356,31 +357,3 @@ def test_bench_fidelity_policy_specs_are_checked_before_loading(capsys):
         assert msg in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec", ["snapkv", "laprox", "laprox:kernel=7,normalize=sum", "pyramidkv", "rkv",
-                                  "streaming_llm"])
-def test_fidelity_shared_prefill_equals_each_policys_own_prefill(spec):
-    """The fidelity bench compresses a copy of the full prefill for policies that need only the window
-    queries; that must be exactly the store the policy's own prefill leaves."""
-    from skipkv.attention import attention_backend
-    from skipkv.bench.fidelity import _compress_copy, _prefill, shares_prefill
-    from skipkv.policies import parse_policy_spec
-
-    bundle = load_model("random:qwen2:sharp", dtype="fp64")
-    ids = random.Random(3).choices(range(5, 250), k=300)
-    policy = parse_policy_spec(spec, budget=60)[1]
-    assert shares_prefill(policy, 32)
-    with attention_backend(bundle.model), torch.inference_mode():
-        full = _prefill(bundle, make_policy("full"), ids, 32)
-        got, want = _compress_copy(bundle, policy, ids, full).store, _prefill(bundle, policy, ids).store
-        assert torch.equal(got.lengths[:, 0], want.lengths[:, 0]) and int(want.lengths[:, 0].min()) < 300
-        for l in range(got.num_layers):
-            n = int(want.lengths[l, 0])
-            assert torch.equal(got.pos[l][0, :, :n], want.pos[l][0, :, :n])
-            assert torch.equal(got.k[l][0, :, :n], want.k[l][0, :, :n])
-
-
-def test_fidelity_does_not_share_the_prefill_with_policies_that_need_more():
-    from skipkv.bench.fidelity import shares_prefill
-
-    assert not shares_prefill(make_policy("h2o"), 32)  # attention sums over every prompt query
-    assert not shares_prefill(make_policy("laprox", prefill_window=64), 32)  # a wider window than captured

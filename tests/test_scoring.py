@@ -91,10 +91,12 @@ def test_window_importance():
                                atol=1e-6, rtol=1e-5)
 
 
-def test_key_redundancy_per_request():
+@pytest.mark.parametrize("block_bytes", [1, 3 * 2 * 8 * 4 * 3, 1 << 20])  # one row, 3 rows (a ragged last block), all
+def test_key_redundancy_per_request(block_bytes):
     k = torch.randn(3, 2, 8, 4)
     k[1, :, 5] = k[1, :, 2] * 2  # a near-duplicate pair in row 1 only
-    got = key_redundancy(k, 0.5).double()
+    k[2, :, 7] = k[2, :, 1]  # and one whose rows fall in different blocks
+    got = key_redundancy(k, 0.5, block_bytes).double()
     torch.testing.assert_close(got, ref_redundancy(k, 0.5), atol=1e-6, rtol=1e-5)
     # Rows differ: redundancy is not broadcast from row 0 (the reference code's bug).
     assert not torch.allclose(got[0], got[1])

@@ -63,6 +63,21 @@ class QueryBuffer:
         q = self.q[layer, slots]  # [b, Hq, W, D]
         return torch.gather(q, 2, order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
 
+    def narrowed(self, window: int) -> "QueryBuffer":
+        """A new buffer of `window` <= W queries per slot holding each slot's newest ones, each at its true
+        position % window: what a buffer of that size would hold after the same writes."""
+        if window > self.window:
+            raise ValueError(f"cannot narrow a {self.window}-query buffer to {window}")
+        L, S, Hq, _, D = self.q.shape
+        out = QueryBuffer(L, S, Hq, window, D, self.q.dtype, self.q.device)
+        for s in range(S):
+            order = self.qpos[s].argsort()[-window:]
+            order = order[self.qpos[s, order] >= 0]
+            ring = self.qpos[s, order] % window
+            out.q[:, s, :, ring] = self.q[:, s, :, order]
+            out.qpos[s, ring] = self.qpos[s, order]
+        return out
+
     def slot_bytes(self) -> int:
         """Bytes one slot's buffered queries occupy (all layers), positions included."""
         L, _, Hq, W, D = self.q.shape

@@ -15,6 +15,11 @@ runner's `EvalConfig` only when it runs (`eval_fields`, `to_eval_config`).
 A budget ratio on a dataset with a reference answer length (gsm8k, math500...) is a fraction of the
 full-cache run's mean generation length, so such a cell refers to the sweep's own full-cache cell of the
 same dataset and seed and runs after it; on long-context sets it is a fraction of the prompt length.
+
+With `share_prefill: true`, cells that differ only in policy and budget and whose policies compress from the
+stored K/V and window queries (full, streaming_llm, snapkv, pyramidkv, rkv, laprox; not h2o or skipkv) run as
+one unit: each example is prefilled once and every cell's policy continues from a copy (eval.runner.run_shared,
+engine/shared.py). Each cell's directory gets the records a run of its own would write (batch_size 1, greedy).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ SWEEP_KEYS: dict[str, str] = {
     "out": "output root; a cell writes to OUT/<dataset>/<cell name>",
     "options": "mapping of further EvalConfig fields for every cell (e.g. batch_size, dtype)",
     "ray": "mapping {num_cpus, num_gpus}: resources of one Ray task",
+    "share_prefill": "true: cells that differ only in policy and budget, whose policies compress from the stored "
+                     "K/V and window queries, run together with one prefill per example (greedy, batch_size 1)",
 }
 RAY_KEYS = ("num_cpus", "num_gpus")
 # Knobs that the sweep owns: a policy entry may not set them (they come from budgets / budget_ratios).
@@ -221,6 +228,8 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
             raise SkipKVError(f"sweep: unknown key 'ray.{k}'; known: {', '.join(RAY_KEYS)}")
         if not _is_number(v) or v < 0:
             raise SkipKVError(f"sweep: 'ray.{k}' must be a number >= 0, got {v!r}")
+    if "share_prefill" in raw and not isinstance(raw["share_prefill"], bool):
+        raise SkipKVError(f"sweep: 'share_prefill' must be true or false, got {raw['share_prefill']!r}")
     for key, entries in (("datasets", datasets), ("policies", policies)):
         labels = [label for _, label, _ in entries]
         dup = next((lab for lab in labels if labels.count(lab) > 1), None)
@@ -361,6 +370,59 @@ def run_cell(cell: Cell) -> str:
     from skipkv.eval.runner import run_eval
 
     return str(run_eval(to_eval_config(cell)))
+
+
+def shared_units(cells: list[Cell]) -> list[Cell]:
+    """The sweep's units of work under `share_prefill`: every set of two or more cells that can share one prefill
+    per example (eval.runner.shared_prefill_problem is None, and equal in every field but policy and budget)
+    becomes one group unit, {name, out_dir, reference: None, group: [cells]}; other cells stay units of their own.
+    A cell that another cell's ratio refers to is never grouped, so the dependency stays a cell's. Order: a
+    unit sits where its first cell was."""
+    import dataclasses
+    import json
+
+    from skipkv.eval.runner import SHARED_FIELDS, shared_prefill_problem
+
+    referenced = {c["reference"] for c in cells if c.get("reference")}
+    keys: list[str | None] = []
+    for cell in cells:
+        cfg = to_eval_config(cell)
+        if cell["out_dir"] in referenced or shared_prefill_problem(cfg) is not None:
+            keys.append(None)
+            continue
+        rest = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in SHARED_FIELDS}
+        keys.append(json.dumps(rest, sort_keys=True, default=str))
+    members: dict[str, list[Cell]] = {}
+    for key, cell in zip(keys, cells):
+        if key is not None:
+            members.setdefault(key, []).append(cell)
+    units: list[Cell] = []
+    for key, cell in zip(keys, cells):
+        group = members.get(key) if key is not None else None
+        if group is None or len(group) < 2:
+            units.append(cell)
+        elif group[0] is cell:
+            units.append({"name": f"{len(group)} cells sharing a prefill ({', '.join(c['name'] for c in group)})",
+                          "out_dir": str(Path(cell["out_dir"]).parent), "reference": None, "group": group})
+    return units
+
+
+def run_unit(unit: Cell) -> Any:
+    """Run a cell (`run_cell`) or a group unit of `shared_units` (eval.runner.run_shared)."""
+    if "group" not in unit:
+        return run_cell(unit)
+    from skipkv.eval.runner import run_shared
+
+    return [str(p) for p in run_shared([to_eval_config(c) for c in unit["group"]])]
+
+
+def expand_results(units: list[Cell], results: list["CellResult"]) -> list["CellResult"]:
+    """Per-cell results from per-unit ones: a group's outcome (and seconds) holds for each of its cells."""
+    out = []
+    for unit, res in zip(units, results):
+        for cell in unit.get("group", [unit]):
+            out.append(CellResult(cell["name"], cell["out_dir"], res.seconds, res.error, res.detail))
+    return out
 
 
 # -------------------------------------------------------------------------------------------- dispatch
@@ -519,16 +581,21 @@ def _main(args: argparse.Namespace) -> int:
     raw, cells = load_sweep(args.config)
     for cell in cells:  # every cell must make a valid EvalConfig before the first one spends hours
         to_eval_config(cell)
+    units = shared_units(cells) if raw.get("share_prefill") else cells
     if args.dry_run:
+        group_of = {c["out_dir"]: i for i, u in enumerate(units, 1) for c in u.get("group", [])}
         table = Table(title=f"{len(cells)} cells from {args.config}")
         # The output dir names the dataset; cell names must stay whole, paths may fold.
         table.add_column("#", justify="right")
         table.add_column("cell", no_wrap=True)
         table.add_column("output dir", overflow="fold")
         table.add_column("ratio of", no_wrap=True)
+        if group_of:
+            table.add_column("shared prefill", no_wrap=True)
         for i, cell in enumerate(cells, 1):
             ref = Path(cell["reference"]).name if cell["reference"] else ""
-            table.add_row(str(i), cell["name"], escape(_shown(cell["out_dir"])), ref)
+            shared = [f"group {group_of[cell['out_dir']]}" if cell["out_dir"] in group_of else ""] if group_of else []
+            table.add_row(str(i), cell["name"], escape(_shown(cell["out_dir"])), ref, *shared)
         console.print(table)
         return 0
 
@@ -540,12 +607,13 @@ def _main(args: argparse.Namespace) -> int:
             console.print(result.detail.rstrip(), style="dim", highlight=False, markup=False)
 
     if args.ray is None:
-        results = run_local(cells, fn=run_cell, on_done=on_done)
+        results = run_local(units, fn=run_unit, on_done=on_done)
     else:
         res = ray_resources(raw)
         if args.num_cpus is not None:
             res["num_cpus"] = args.num_cpus
-        results = run_ray(cells, fn=run_cell, address=args.ray or None, on_done=on_done, **res)
+        results = run_ray(units, fn=run_unit, address=args.ray or None, on_done=on_done, **res)
+    results = expand_results(units, results)
     failed = [r for r in results if not r.ok]
     console.print(f"{len(results) - len(failed)}/{len(results)} cells finished", highlight=False)
     for r in failed:

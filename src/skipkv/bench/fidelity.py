@@ -25,7 +25,6 @@ Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum
 
 from __future__ import annotations
 
-import copy
 import json
 import platform
 import statistics
@@ -33,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from skipkv.attention import QueryBuffer, attention_backend
+from skipkv.attention import attention_backend
 from skipkv.config import SamplingParams
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
+from skipkv.engine.shared import branch, capture_window, prefill_full, shares_prefill
 from skipkv.errors import SkipKVError
 
 
@@ -56,33 +56,12 @@ def layer_output(module, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v
     return x @ module.o_proj.weight.float().T + (module.o_proj.bias.float() if module.o_proj.bias is not None else 0)
 
 
-def _prefill(bundle, policy, ids: list[int], window: int | None = None) -> ModelRunner:
+def _prefill(bundle, policy, ids: list[int]) -> ModelRunner:
+    """`policy`'s own prefill (for a policy that cannot compress a copy of the full one, see engine/shared.py)."""
     runner = ModelRunner(bundle, policy, num_slots=1)
-    if window is not None:  # capture the window queries (the full policy declares no need for them)
-        cfg = bundle.model.config
-        runner.queries = QueryBuffer(cfg.num_hidden_layers, 1, cfg.num_attention_heads, window, runner.head_dim,
-                                     bundle.dtype, bundle.device)
     reqs = make_requests(bundle, [ids], SamplingParams(max_new_tokens=1), policy)
     runner.prefill(reqs)
     return runner
-
-
-def shares_prefill(policy, window: int) -> bool:
-    """A policy that scores from the store and the window queries alone (no attention sums, no hidden states)
-    can compress a copy of the full prefill's store: the same entries its own prefill would compress."""
-    return policy.requirements() <= {"queries"} and policy.query_window <= window
-
-
-def _compress_copy(bundle, policy, ids: list[int], full: ModelRunner) -> ModelRunner:
-    """`policy`'s post-prefill compression applied to a copy of the full prefill (see shares_prefill)."""
-    run = ModelRunner(bundle, policy, num_slots=1)
-    run.store = copy.deepcopy(full.store)
-    run.queries = full.queries  # read only: compression reads the newest queries, never writes them
-    req = make_requests(bundle, [ids], SamplingParams(max_new_tokens=1), policy)[0]
-    run._prepare([req])
-    if policy.should_compress(int(run.store.lengths[:, 0].max()), True, req.state):
-        run.compress([(0, req)], is_prefill=True)
-    return run
 
 
 def needle_positions(tokenizer, text: str, ids: list[int], answers) -> list[int] | None:
@@ -118,9 +97,9 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
     from skipkv.policies import make_policy
 
     layers = bundle.model.model.layers
-    shared = max([window] + [p.query_window for p in policies.values() if shares_prefill(p, 1 << 30)])
+    shared = max(window, capture_window([p for p in policies.values() if shares_prefill(p)]))
     with attention_backend(bundle.model), torch.inference_mode():
-        full = _prefill(bundle, make_policy("full"), ids, shared)
+        full = prefill_full(bundle, ids, shared)[0]
         P = len(ids)
         qpos = torch.arange(P - window, P, device=bundle.device)
         slot = torch.tensor([0], device=bundle.device)
@@ -134,7 +113,8 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
         out = {}
         pos = torch.tensor(needle, device=bundle.device) if needle else None
         for name, policy in policies.items():
-            run = _compress_copy(bundle, policy, ids, full) if shares_prefill(policy, shared) else _prefill(bundle, policy, ids)
+            run = (branch(bundle, full, policy, ids, SamplingParams(max_new_tokens=1))[0] if shares_prefill(policy, shared)
+                   else _prefill(bundle, policy, ids))
             s = run.store
             cos, kept, whole, sizes = [], [], [], []
             for l, layer in enumerate(layers):

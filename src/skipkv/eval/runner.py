@@ -427,11 +427,35 @@ class _Job:
     budget: int | None
 
 
-def run_eval(cfg: EvalConfig) -> Path:
-    """Run (or resume) one evaluation into cfg.out; returns the run directory. See the module docstring."""
-    from skipkv.engine import check_fits, generate
-    from skipkv.models import load_model
+@dataclass(frozen=True)
+class _Plan:
+    """What a run resolves before its model loads (every check that needs no model)."""
 
+    dataset: Dataset
+    grader: Grader
+    mode: str  # budget_mode
+    fixed_budget: int | None
+    ref_mean: float | None
+    policy: Any
+    max_new: int
+    stop: tuple[str, ...]
+    out: Path
+
+
+@dataclass
+class _Run:
+    """One run dir, open for writing: its config is written, its unfinished jobs listed."""
+
+    cfg: EvalConfig
+    plan: _Plan
+    examples: list[Example]
+    policy_record: dict[str, Any]
+    sampling: SamplingParams
+    store: RecordStore
+    jobs: list[_Job]
+
+
+def _plan(cfg: EvalConfig) -> _Plan:
     dataset = get_dataset(cfg.dataset)
     grader = _make_grader(cfg, dataset)
     mode, fixed_budget, ref_mean = _budget_plan(cfg, dataset)
@@ -439,72 +463,208 @@ def run_eval(cfg: EvalConfig) -> Path:
     grader.ready()  # e.g. the code sandbox's isolation: unavailable -> a one-line error before any output
     max_new = cfg.max_new_tokens or dataset.max_new_tokens
     stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
-    out = _check_run_dir(cfg.out)
-    # A run refused from here on (model, lengths, prompt sizes) removes the folders it created and its lock.
-    with made_dir(out) as created, _locked(out):
-        bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-        options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
-        request = data_request(options, bundle.tokenizer, cfg.prompt_style)
-        examples = dataset.load(request)
-        if cfg.limit is not None:
-            examples = examples[:cfg.limit]
-        # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any
-        # record is written; made_dir then removes the run directory it created.
-        policy.check_run(bundle, cfg.dataset, [ex.id for ex in examples])
-        # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
-        rendered: dict[str, tuple[str, list[int]]] = {}
-        for ex in examples:
-            text = prompts.render(bundle.tokenizer, ex, cfg.prompt_style)
-            ids = prompts.encode(bundle.tokenizer, text, cfg.prompt_style)
-            check_fits(f"example {ex.id}", len(ids), max_new, bundle.max_context)
-            rendered[ex.id] = (text, ids)
-        policy_record = {"name": cfg.policy, **dataclasses.asdict(policy)}
-        if mode == "prompt_length" or not policy.compresses:
-            policy_record["budget"] = None  # set per example (see budget_mode), or no budget applies
-        sampling = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, seed=cfg.seed, stop=stop)
-        config = _jsonable({
-            "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
-            "dataset": {"name": cfg.dataset, **dataset.identity(request)},
-            "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
-            "budget_ratio": cfg.budget_ratio,
-            "budget_reference": {"mean_generated_tokens": ref_mean} if ref_mean is not None else None,
-            "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(grader)},
-            "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
-                       if k not in ("batch_size", "kv_memory", "prefill_budget")}
-            | {"prefill_chunk": cfg.prefill_chunk}
-            # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it.
-            | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {}),
-            "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
-                          "kv_memory": cfg.kv_memory,
-                          "out": str(out), "reference_dir": cfg.reference},
-            "environment": _environment(), "config_version": CONFIG_VERSION,
-        })
-        _check_or_write_config(out, config)
-        created.clear()  # the folder now holds a run: keep it whatever happens next
+    return _Plan(dataset, grader, mode, fixed_budget, ref_mean, policy, max_new, stop, _check_run_dir(cfg.out))
 
-        store = RecordStore(out / RECORDS_FILE)
-        done = store.keys()
-        TraceFile(out / TRACES_FILE).prune(done)  # a trace whose record a crash lost would shadow the re-run's
-        jobs: list[_Job] = []
-        for ex in examples:
-            todo = [s for s in range(cfg.samples) if (ex.id, s) not in done]
-            if not todo:
-                continue
-            text, ids = rendered[ex.id]
-            per_prompt = mode == "prompt_length" and policy.compresses
-            budget = _example_budget(cfg, ex, len(ids)) if per_prompt else policy_record["budget"]
-            jobs += [_Job(ex, s, text, ids, budget) for s in todo]
-        _generate(cfg, bundle, jobs, sampling, grader, store, generate)
-        summary = summarize(store.records())
-        summary.update(complete=all((ex.id, s) in store.keys() for ex in examples for s in range(cfg.samples)),
-                       dataset=cfg.dataset, model=cfg.model, policy=cfg.policy, budget=policy_record["budget"],
-                       budget_ratio=cfg.budget_ratio)
-        levels = sorted({str(r["sandbox"]) for r in store.records() if "sandbox" in r})
-        if levels:
-            summary["sandbox"] = levels[0] if len(levels) == 1 else levels
-        _write_json(out / SUMMARY_FILE, summary)
-    return out
+
+def _open_run(cfg: EvalConfig, plan: _Plan, bundle: Any, created: list, shared_prefill: bool = False) -> _Run:
+    """Load and render the examples, write (or check) config.json and list the jobs not yet recorded. Call
+    within the run dir's `made_dir` and lock; `created` is made_dir's list (cleared once config.json exists)."""
+    from skipkv.engine import check_fits
+
+    dataset, policy, mode, max_new = plan.dataset, plan.policy, plan.mode, plan.max_new
+    options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
+    request = data_request(options, bundle.tokenizer, cfg.prompt_style)
+    examples = dataset.load(request)
+    if cfg.limit is not None:
+        examples = examples[:cfg.limit]
+    # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any
+    # record is written; made_dir then removes the run directory it created.
+    policy.check_run(bundle, cfg.dataset, [ex.id for ex in examples])
+    # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
+    rendered: dict[str, tuple[str, list[int]]] = {}
+    for ex in examples:
+        text = prompts.render(bundle.tokenizer, ex, cfg.prompt_style)
+        ids = prompts.encode(bundle.tokenizer, text, cfg.prompt_style)
+        check_fits(f"example {ex.id}", len(ids), max_new, bundle.max_context)
+        rendered[ex.id] = (text, ids)
+    policy_record = {"name": cfg.policy, **dataclasses.asdict(policy)}
+    if mode == "prompt_length" or not policy.compresses:
+        policy_record["budget"] = None  # set per example (see budget_mode), or no budget applies
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k, seed=cfg.seed, stop=plan.stop)
+    config = _jsonable({
+        "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
+        "dataset": {"name": cfg.dataset, **dataset.identity(request)},
+        "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
+        "budget_ratio": cfg.budget_ratio,
+        "budget_reference": {"mean_generated_tokens": plan.ref_mean} if plan.ref_mean is not None else None,
+        "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(plan.grader)},
+        "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
+                   if k not in ("batch_size", "kv_memory", "prefill_budget")}
+        | {"prefill_chunk": cfg.prefill_chunk}
+        # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it.
+        | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {}),
+        "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
+                      "kv_memory": cfg.kv_memory, "out": str(plan.out), "reference_dir": cfg.reference}
+        | ({"shared_prefill": True} if shared_prefill else {}),
+        "environment": _environment(), "config_version": CONFIG_VERSION,
+    })
+    _check_or_write_config(plan.out, config)
+    created.clear()  # the folder now holds a run: keep it whatever happens next
+
+    store = RecordStore(plan.out / RECORDS_FILE)
+    done = store.keys()
+    TraceFile(plan.out / TRACES_FILE).prune(done)  # a trace whose record a crash lost would shadow the re-run's
+    jobs: list[_Job] = []
+    for ex in examples:
+        todo = [s for s in range(cfg.samples) if (ex.id, s) not in done]
+        if not todo:
+            continue
+        text, ids = rendered[ex.id]
+        per_prompt = mode == "prompt_length" and policy.compresses
+        budget = _example_budget(cfg, ex, len(ids)) if per_prompt else policy_record["budget"]
+        jobs += [_Job(ex, s, text, ids, budget) for s in todo]
+    return _Run(cfg, plan, examples, policy_record, sampling, store, jobs)
+
+
+def _close_run(run: _Run) -> None:
+    """Write summary.json over every record of the run dir."""
+    cfg, store = run.cfg, run.store
+    summary = summarize(store.records())
+    summary.update(complete=all((ex.id, s) in store.keys() for ex in run.examples for s in range(cfg.samples)),
+                   dataset=cfg.dataset, model=cfg.model, policy=cfg.policy, budget=run.policy_record["budget"],
+                   budget_ratio=cfg.budget_ratio)
+    levels = sorted({str(r["sandbox"]) for r in store.records() if "sandbox" in r})
+    if levels:
+        summary["sandbox"] = levels[0] if len(levels) == 1 else levels
+    _write_json(run.plan.out / SUMMARY_FILE, summary)
+
+
+def run_eval(cfg: EvalConfig) -> Path:
+    """Run (or resume) one evaluation into cfg.out; returns the run directory. See the module docstring."""
+    from skipkv.engine import generate
+    from skipkv.models import load_model
+
+    plan = _plan(cfg)
+    # A run refused from here on (model, lengths, prompt sizes) removes the folders it created and its lock.
+    with made_dir(plan.out) as created, _locked(plan.out):
+        bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        run = _open_run(cfg, plan, bundle, created)
+        _generate(cfg, bundle, run.jobs, run.sampling, plan.grader, run.store, generate)
+        _close_run(run)
+    return plan.out
+
+
+# Fields that may differ between the runs of one shared prefill (everything else must be equal).
+SHARED_FIELDS = frozenset({"policy", "policy_knobs", "budget", "budget_ratio", "out", "quiet"})
+
+
+def shared_prefill_problem(cfg: EvalConfig) -> str | None:
+    """Why `cfg` cannot join a shared prefill (engine/shared.py), or None when it can."""
+    from skipkv.engine.shared import shares_prefill
+
+    if cfg.temperature != 0 or cfg.samples != 1:
+        return "it samples (a shared prefill needs greedy decoding, one sample)"
+    if cfg.prefill_chunk:
+        return "its prompts are prefilled in chunks (a policy compresses between them)"
+    if cfg.batch_size != 1:
+        return "its batch_size is not 1 (each example is prefilled alone)"
+    if cfg.reference is not None:
+        return "its budget refers to another run"
+    if cfg.trace:
+        return "it traces"
+    if not shares_prefill(_make_policy(cfg, cfg.budget if cfg.budget_ratio is None else 1 << 20)):
+        return f"policy {cfg.policy} needs attention sums or hidden states during the prefill"
+    return None
+
+
+def run_shared(cfgs: list[EvalConfig]) -> list[Path]:
+    """Run (or resume) several evaluations that differ only in policy and budget (SHARED_FIELDS) with one
+    prefill per example: each example is prefilled once with the full cache and every run's policy continues
+    from a copy of it (engine/shared.py, which is token for token the run that policy makes alone with
+    batch_size 1). Each run dir gets exactly what `run_eval` would write (config.json notes
+    execution.shared_prefill); a run's `seconds` is the shared prefill plus its own compression and decode."""
+    from tqdm import tqdm
+
+    from skipkv.engine.shared import generate_shared
+    from skipkv.models import load_model
+
+    if not cfgs:
+        return []
+    for cfg in cfgs:
+        problem = shared_prefill_problem(cfg)
+        if problem:
+            raise SkipKVError(f"{cfg.out} cannot share a prefill: {problem}")
+        diff = [f.name for f in dataclasses.fields(cfg) if f.name not in SHARED_FIELDS
+                and getattr(cfg, f.name) != getattr(cfgs[0], f.name)]
+        if diff:
+            raise SkipKVError(f"{cfg.out} cannot share a prefill with {cfgs[0].out}: they differ in {diff[0]}")
+    outs = [cfg.out for cfg in cfgs]
+    if len(set(outs)) != len(outs):
+        raise SkipKVError(f"two runs write to {next(o for o in outs if outs.count(o) > 1)}")
+    plans = [_plan(cfg) for cfg in cfgs]
+    with contextlib.ExitStack() as stack:
+        createds = []
+        for plan in plans:
+            createds.append(stack.enter_context(made_dir(plan.out)))
+            stack.enter_context(_locked(plan.out))
+        first = cfgs[0]
+        bundle = load_model(first.model, dtype=first.dtype, device=first.device)
+        runs = [_open_run(cfg, plan, bundle, created, shared_prefill=True)
+                for cfg, plan, created in zip(cfgs, plans, createds)]
+        todo: dict[str, list[tuple[_Run, _Job]]] = defaultdict(list)
+        for run in runs:
+            for job in run.jobs:
+                todo[job.example.id].append((run, job))
+        session = time.time()
+        bar = tqdm(total=sum(len(r.jobs) for r in runs), desc=f"{first.dataset}/shared prefill ({len(runs)} runs)",
+                   unit="run-ex", disable=first.quiet, dynamic_ncols=True)
+        try:
+            for pairs in todo.values():
+                ids = pairs[0][1].prompt_ids
+                if any(job.prompt_ids != ids for _, job in pairs):
+                    raise SkipKVError(f"example {pairs[0][1].example.id} renders differently across the runs")
+                sampling = dataclasses.replace(pairs[0][0].sampling,
+                                               seed=sample_seed(first.seed, pairs[0][1].example.id, 0))
+                policies = [_make_policy(run.cfg, job.budget) for run, job in pairs]
+
+                def finished(i: int, result: Any, pairs: list = pairs, seed: int = sampling.seed) -> None:
+                    run, job = pairs[i]
+                    verdict = run.plan.grader.grade(result.text, job.example)
+                    run.store.append(_record(job, result, verdict, seed, session))
+                    bar.update(1)
+
+                generate_shared(bundle, ids, sampling, policies, on_result=finished)
+        finally:
+            bar.close()
+        for run in runs:
+            _close_run(run)
+    return [plan.out for plan in plans]
+
+
+def _record(job: _Job, result: Any, verdict: Any, seed: int, session: float) -> dict[str, Any]:
+    """The records.jsonl line of one finished job (see the module docstring)."""
+    record = {
+        "id": job.example.id, "sample": job.sample, "seed": seed,
+        "prompt": job.prompt, "output": result.text, "reference": job.example.reference,
+        "extracted": verdict.extracted, "correct": verdict.correct, "score": verdict.score,
+        "grade_detail": verdict.detail, "generated_tokens": result.generated_tokens,
+        "prompt_tokens": result.prompt_tokens, "peak_kv_tokens": result.peak_kv_tokens,
+        "peak_kv_bytes": result.peak_kv_bytes, "decode_peak_kv_tokens": result.decode_peak_kv_tokens,
+        "decode_peak_kv_bytes": result.decode_peak_kv_bytes, "compressions": result.compressions,
+        "compress_seconds": result.compress_seconds, "seconds": result.seconds,
+        "finish_reason": result.finish_reason, "budget": job.budget, "session": session,
+        "layer_kv_tokens": result.layer_kv_tokens,
+        "finished_at": time.time(),
+    }
+    clash = CORE_RECORD_KEYS & (set(job.example.meta) | set(result.extra))
+    if clash:
+        raise SkipKVError(f"example meta or policy stat {sorted(clash)[0]!r} clashes with a record field")
+    record.update(result.extra)  # the policy's per-request figures, e.g. flagged_sentences
+    if verdict.sandbox is not None:
+        record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
+    record.update(job.example.meta)
+    return record
 
 
 def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: SamplingParams, grader: Grader,
@@ -526,31 +686,11 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[_Job], sampling: Sampling
             policy = _make_policy(cfg, budget)
             params = [dataclasses.replace(sampling, seed=sample_seed(cfg.seed, j.example.id, j.sample)) for j in group]
 
-            def finished(result: Any, group: list[_Job] = group, params: list[SamplingParams] = params,
-                         budget: int | None = budget) -> None:
+            def finished(result: Any, group: list[_Job] = group, params: list[SamplingParams] = params) -> None:
                 nonlocal correct, finished_count
                 job = group[result.index]
                 verdict = grader.grade(result.text, job.example)
-                record = {
-                    "id": job.example.id, "sample": job.sample, "seed": params[result.index].seed,
-                    "prompt": job.prompt, "output": result.text, "reference": job.example.reference,
-                    "extracted": verdict.extracted, "correct": verdict.correct, "score": verdict.score,
-                    "grade_detail": verdict.detail, "generated_tokens": result.generated_tokens,
-                    "prompt_tokens": result.prompt_tokens, "peak_kv_tokens": result.peak_kv_tokens,
-                    "peak_kv_bytes": result.peak_kv_bytes, "decode_peak_kv_tokens": result.decode_peak_kv_tokens,
-                    "decode_peak_kv_bytes": result.decode_peak_kv_bytes, "compressions": result.compressions,
-                    "compress_seconds": result.compress_seconds, "seconds": result.seconds,
-                    "finish_reason": result.finish_reason, "budget": budget, "session": session,
-                    "layer_kv_tokens": result.layer_kv_tokens,
-                    "finished_at": time.time(),
-                }
-                clash = CORE_RECORD_KEYS & (set(job.example.meta) | set(result.extra))
-                if clash:
-                    raise SkipKVError(f"example meta or policy stat {sorted(clash)[0]!r} clashes with a record field")
-                record.update(result.extra)  # the policy's per-request figures, e.g. flagged_sentences
-                if verdict.sandbox is not None:
-                    record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
-                record.update(job.example.meta)
+                record = _record(job, result, verdict, params[result.index].seed, session)
                 if traces is not None:
                     traces.append(job.example.id, job.sample, result.trace)
                     record["trace"] = TRACES_FILE

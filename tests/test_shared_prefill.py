@@ -1,0 +1,183 @@
+"""One prefill, many policies (engine/shared.py): every branch must be the run that policy would have made
+alone, tokens, KV figures and layer lengths included; what cannot share is refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from skipkv import SamplingParams, generate, load_model, make_policy
+from skipkv.attention import QueryBuffer, attention_backend
+from skipkv.config import EngineConfig
+from skipkv.engine.shared import branch, generate_shared, prefill_full, shares_prefill
+from skipkv.errors import SkipKVError
+from skipkv.policies import parse_policy_spec
+
+# Prefill-only and decode-time compressors, per-layer and model-wide, pooled and not.
+SPECS = ["full", "streaming_llm:phase=prefill", "snapkv:phase=prefill", "pyramidkv:phase=prefill", "rkv",
+         "snapkv", "laprox", "laprox:kernel=7,normalize=sum", "laprox:norm=frobenius,prefill_window=16"]
+FIELDS = ("token_ids", "text", "finish_reason", "prompt_tokens", "generated_tokens", "peak_kv_tokens",
+          "peak_kv_bytes", "decode_peak_kv_tokens", "decode_peak_kv_bytes", "compressions", "layer_kv_tokens",
+          "allocated_kv_bytes", "peak_total_bytes", "extra")
+
+
+def policies(budget: int):
+    return [parse_policy_spec(s, budget=budget, interval=8)[1] if s != "full" else make_policy("full") for s in SPECS]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_each_branch_equals_that_policys_own_run(dtype):
+    """bf16 too: the shared prefill is the same batch-1 forward, so nothing may round differently."""
+    bundle = load_model("random:qwen2:sharp", dtype=dtype)
+    ids = random.Random(1).choices(range(5, 250), k=240)
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)  # 30 > interval: the decode-phase policies compress again
+    pols = policies(48)
+    got = generate_shared(bundle, ids, sp, pols)
+    for spec, policy, g in zip(SPECS, pols, got):
+        [want] = generate(bundle, [ids], sp, policy, EngineConfig(batch_size=1))
+        for f in FIELDS:
+            assert getattr(g, f) == getattr(want, f), (spec, f)
+    by = dict(zip(SPECS, got))
+    assert by["full"].layer_kv_tokens == [269] * 2 and by["rkv"].compressions > 1  # both kinds really ran
+    assert len(set(by["laprox"].layer_kv_tokens)) > 1  # model-wide: layers of different lengths
+    assert len({r.text for r in got}) > 1  # the policies did not all keep the same thing
+
+
+def test_branch_store_equals_the_policys_own_prefill():
+    """Entry for entry (positions and keys), the compressed copy is the store the policy's own prefill leaves."""
+    from skipkv.engine import make_requests
+    from skipkv.engine.runner import ModelRunner
+
+    bundle = load_model("random:qwen2:sharp", dtype="fp64")
+    ids = random.Random(3).choices(range(5, 250), k=300)
+    sp = SamplingParams(max_new_tokens=1)
+    with attention_backend(bundle.model), torch.inference_mode():
+        full = prefill_full(bundle, ids, 32)[0]
+        for policy in policies(60)[1:]:
+            got = branch(bundle, full, policy, ids, sp)[0].store
+            own = ModelRunner(bundle, policy, num_slots=1)
+            own.prefill(make_requests(bundle, [ids], sp, policy))
+            want = own.store
+            assert torch.equal(got.lengths[:, 0], want.lengths[:, 0]) and int(want.lengths[:, 0].min()) < 300
+            for l in range(got.num_layers):
+                n = int(want.lengths[l, 0])
+                assert torch.equal(got.pos[l][0, :, :n], want.pos[l][0, :, :n])
+                assert torch.equal(got.k[l][0, :, :n], want.k[l][0, :, :n])
+
+
+def test_narrowed_query_buffer_equals_a_buffer_of_that_size():
+    L, S, Hq, D = 2, 2, 3, 4
+    big, small = (QueryBuffer(L, S, Hq, w, D, torch.float32, torch.device("cpu")) for w in (8, 3))
+    g = torch.Generator().manual_seed(0)
+    real = torch.tensor([11, 2])  # row 1 shorter than the small window after the prefill chunk
+    q = torch.randn(S, Hq, 11, D, generator=g)
+    pos = torch.arange(11).expand(S, -1)
+    for buf in (big, small):
+        for l in range(L):
+            buf.write(l, 0, q, pos, real)
+    for step in range(5):  # decode steps wrap both rings
+        qd = torch.randn(S, Hq, 1, D, generator=g)
+        pd = (real + step)[:, None]
+        for buf in (big, small):
+            for l in range(L):
+                buf.write(l, 0, qd, pd, torch.ones(S, dtype=torch.long))
+    got = big.narrowed(3)
+    assert torch.equal(got.qpos, small.qpos) and torch.equal(got.q, small.q)
+    with pytest.raises(ValueError):
+        small.narrowed(4)
+
+
+def test_what_cannot_share_is_refused():
+    bundle = load_model("random:qwen2:sharp")
+    ids = list(range(5, 60))
+    assert not shares_prefill(make_policy("h2o"))  # attention sums over every prompt query
+    assert shares_prefill(make_policy("h2o", variant="last_query"))
+    assert not shares_prefill(make_policy("skipkv"))  # hidden states
+    assert not shares_prefill(make_policy("laprox", prefill_window=64), 32)  # a wider window than captured
+    for pols, sp, msg in (([make_policy("h2o", budget=16)], SamplingParams(max_new_tokens=2), "attention sums"),
+                          ([make_policy("snapkv", budget=40)], SamplingParams(max_new_tokens=2, temperature=0.7),
+                           "greedy")):
+        with pytest.raises(SkipKVError, match=msg):
+            generate_shared(bundle, ids, sp, pols)
+
+
+# ------------------------------------------------------------------------------------------ eval runs
+TIMING = ("seconds", "compress_seconds", "session", "finished_at")
+
+
+def _records(out) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    return sorted(({k: v for k, v in r.items() if k not in TIMING} for r in rows), key=lambda r: r["id"])
+
+
+def _cell(out, policy: str, ratio: float | None, **knobs):
+    from skipkv.eval.runner import EvalConfig
+
+    return EvalConfig(model="random:qwen2:sharp", dataset="niah", policy=policy, out=str(out), budget_ratio=ratio,
+                      policy_knobs={"interval": 8, **knobs} if policy != "full" else {},
+                      dataset_options={"lengths": [400, 600], "depths": [0.3, 0.8]}, max_new_tokens=12,
+                      batch_size=1, quiet=True)
+
+
+def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
+    """Records (timing aside), summaries and config identity of a shared run equal separate run_eval runs; a
+    second call resumes (nothing to do), and a half-done group only fills in what is missing."""
+    import json
+
+    from skipkv.eval.runner import run_eval, run_shared
+
+    specs = [("full", None, {}), ("snapkv", 0.2, {"phase": "prefill"}), ("laprox", 0.2, {}),
+             ("laprox", 0.1, {"kernel": 3}), ("rkv", 0.3, {})]
+    shared = [_cell(tmp_path / "shared" / f"c{i}", p, r, **k) for i, (p, r, k) in enumerate(specs)]
+    alone = [_cell(tmp_path / "alone" / f"c{i}", p, r, **k) for i, (p, r, k) in enumerate(specs)]
+    run_eval(alone[2])  # one run of the group is already done: the shared pass must leave it as it is
+    before = (tmp_path / "alone" / "c2" / "records.jsonl").read_bytes()
+    import shutil
+
+    shutil.copytree(tmp_path / "alone" / "c2", tmp_path / "shared" / "c2")
+    run_shared(shared)
+    assert (tmp_path / "shared" / "c2" / "records.jsonl").read_bytes() == before
+    for cfg in alone:
+        if cfg is not alone[2]:
+            run_eval(cfg)
+    outputs = set()
+    for a, b in zip(alone, shared):
+        ra, rb = _records(tmp_path / "alone" / a.out.split("/")[-1]), _records(tmp_path / "shared" / b.out.split("/")[-1])
+        assert len(ra) == 4 and ra == rb, a.policy
+        outputs.add(tuple(r["output"] for r in ra))
+        sa, sb = (json.loads((tmp_path / d / a.out.split("/")[-1] / "summary.json").read_text()) for d in ("alone", "shared"))
+        assert {k: v for k, v in sa.items() if k != "tokens_per_second"} == \
+            {k: v for k, v in sb.items() if k != "tokens_per_second"}
+        config = json.loads((tmp_path / "shared" / b.out.split("/")[-1] / "config.json").read_text())
+        assert config["execution"].get("shared_prefill") is (None if b is shared[2] else True)
+    assert len(outputs) > 1
+    mtime = (tmp_path / "shared" / "c1" / "records.jsonl").stat().st_mtime_ns
+    run_shared(shared)  # resumes: every example done, nothing appended
+    assert (tmp_path / "shared" / "c1" / "records.jsonl").stat().st_mtime_ns == mtime
+    run_eval(alone[1])  # and a separate run_eval accepts a shared run's dir as its own (same identity)
+    run_eval(_cell(tmp_path / "shared" / "c1", "snapkv", 0.2, phase="prefill"))
+
+
+def test_run_shared_refuses_runs_that_cannot_share(tmp_path):
+    from skipkv.eval.runner import run_shared
+
+    ok = _cell(tmp_path / "a", "snapkv", 0.2)
+    for bad, msg in ((_cell(tmp_path / "b", "h2o", 0.2), "attention sums"),
+                     (_cell(tmp_path / "b", "snapkv", 0.2, window=4).__class__(**{**_fields(ok), "out": str(tmp_path / "b"),
+                                                                                   "max_new_tokens": 5}), "max_new_tokens"),
+                     (_cell(tmp_path / "a", "laprox", 0.1), "two runs write"),
+                     (_cell(tmp_path / "b", "laprox", 0.1).__class__(**{**_fields(ok), "out": str(tmp_path / "b"),
+                                                                          "prefill_chunk": 128}), "chunks")):
+        with pytest.raises(SkipKVError, match=msg):
+            run_shared([ok, bad])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any dir was made
+
+
+def _fields(cfg) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
