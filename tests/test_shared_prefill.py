@@ -17,7 +17,8 @@ from skipkv.policies import parse_policy_spec
 
 # Prefill-only and decode-time compressors, per-layer and model-wide, pooled and not.
 SPECS = ["full", "streaming_llm:phase=prefill", "snapkv:phase=prefill", "pyramidkv:phase=prefill", "rkv",
-         "snapkv", "laprox", "laprox:kernel=7,normalize=sum", "laprox:norm=frobenius,prefill_window=16"]
+         "snapkv", "laprox", "laprox:kernel=7,normalize=sum", "laprox:norm=frobenius,prefill_window=16",
+         "h2o:phase=prefill", "h2o", "h2o:variant=last_query"]
 FIELDS = ("token_ids", "text", "finish_reason", "prompt_tokens", "generated_tokens", "peak_kv_tokens",
           "peak_kv_bytes", "decode_peak_kv_tokens", "decode_peak_kv_bytes", "compressions", "layer_kv_tokens",
           "allocated_kv_bytes", "peak_total_bytes", "extra")
@@ -41,6 +42,7 @@ def test_each_branch_equals_that_policys_own_run(dtype):
             assert getattr(g, f) == getattr(want, f), (spec, f)
     by = dict(zip(SPECS, got))
     assert by["full"].layer_kv_tokens == [269] * 2 and by["rkv"].compressions > 1  # both kinds really ran
+    assert by["h2o"].compressions > 1 and by["h2o"].text != by["h2o:phase=prefill"].text
     assert len(set(by["laprox"].layer_kv_tokens)) > 1  # model-wide: layers of different lengths
     assert len({r.text for r in got}) > 1  # the policies did not all keep the same thing
 
@@ -54,7 +56,7 @@ def test_branch_store_equals_the_policys_own_prefill():
     ids = random.Random(3).choices(range(5, 250), k=300)
     sp = SamplingParams(max_new_tokens=1)
     with attention_backend(bundle.model), torch.inference_mode():
-        full = prefill_full(bundle, ids, 32)[0]
+        full = prefill_full(bundle, ids, 32, attn=True)[0]
         for policy in policies(60)[1:]:
             got = branch(bundle, full, policy, ids, sp)[0].store
             own = ModelRunner(bundle, policy, num_slots=1)
@@ -92,11 +94,9 @@ def test_narrowed_query_buffer_equals_a_buffer_of_that_size():
 def test_what_cannot_share_is_refused():
     bundle = load_model("random:qwen2:sharp")
     ids = list(range(5, 60))
-    assert not shares_prefill(make_policy("h2o"))  # attention sums over every prompt query
-    assert shares_prefill(make_policy("h2o", variant="last_query"))
     assert not shares_prefill(make_policy("skipkv"))  # hidden states
     assert not shares_prefill(make_policy("laprox", prefill_window=64), 32)  # a wider window than captured
-    for pols, sp, msg in (([make_policy("h2o", budget=16)], SamplingParams(max_new_tokens=2), "attention sums"),
+    for pols, sp, msg in (([make_policy("skipkv", budget=16)], SamplingParams(max_new_tokens=2), "hidden states"),
                           ([make_policy("snapkv", budget=40)], SamplingParams(max_new_tokens=2, temperature=0.7),
                            "greedy")):
         with pytest.raises(SkipKVError, match=msg):
@@ -131,7 +131,7 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
     from skipkv.eval.runner import run_eval, run_shared
 
     specs = [("full", None, {}), ("snapkv", 0.2, {"phase": "prefill"}), ("laprox", 0.2, {}),
-             ("laprox", 0.1, {"kernel": 3}), ("rkv", 0.3, {})]
+             ("laprox", 0.1, {"kernel": 3}), ("rkv", 0.3, {}), ("h2o", 0.2, {"phase": "prefill"})]
     shared = [_cell(tmp_path / "shared" / f"c{i}", p, r, **k) for i, (p, r, k) in enumerate(specs)]
     alone = [_cell(tmp_path / "alone" / f"c{i}", p, r, **k) for i, (p, r, k) in enumerate(specs)]
     run_eval(alone[2])  # one run of the group is already done: the shared pass must leave it as it is
@@ -166,7 +166,7 @@ def test_run_shared_refuses_runs_that_cannot_share(tmp_path):
     from skipkv.eval.runner import run_shared
 
     ok = _cell(tmp_path / "a", "snapkv", 0.2)
-    for bad, msg in ((_cell(tmp_path / "b", "h2o", 0.2), "attention sums"),
+    for bad, msg in ((_cell(tmp_path / "b", "skipkv", 0.2), "hidden states"),
                      (_cell(tmp_path / "b", "snapkv", 0.2, window=4).__class__(**{**_fields(ok), "out": str(tmp_path / "b"),
                                                                                    "max_new_tokens": 5}), "max_new_tokens"),
                      (_cell(tmp_path / "a", "laprox", 0.1), "two runs write"),

@@ -278,17 +278,17 @@ def test_share_prefill_groups_the_cells_that_can_share(tmp_path):
     cells = expand_sweep(raw, tmp_path)
     units = shared_units(cells)
     groups = [[c["name"] for c in u["group"]] for u in units if "group" in u]
-    # niah: everything but h2o (attention sums); gsm8k: the token-budget cells, not the ratio cells (they refer
-    # to the full cell, which stays a cell of its own so it runs first) and not h2o.
-    assert groups == [["snapkv-b64-s0", "laprox-b64-s0"], ["full-s0", "snapkv-b64-s0", "snapkv-r0.1-s0",
-                                                           "laprox-b64-s0", "laprox-r0.1-s0"]]
+    # niah: every cell; gsm8k: the token-budget cells, not the ratio cells (they refer to the full cell, which
+    # stays a cell of its own so it runs first).
+    assert groups == [["snapkv-b64-s0", "h2o-b64-s0", "laprox-b64-s0"],
+                      ["full-s0", "snapkv-b64-s0", "snapkv-r0.1-s0", "h2o-b64-s0", "h2o-r0.1-s0", "laprox-b64-s0",
+                       "laprox-r0.1-s0"]]
     alone = [u["name"] for u in units if "group" not in u]
-    assert alone == ["full-s0", "snapkv-r0.1-s0", "h2o-b64-s0", "h2o-r0.1-s0", "laprox-r0.1-s0", "h2o-b64-s0",
-                     "h2o-r0.1-s0"]
+    assert alone == ["full-s0", "snapkv-r0.1-s0", "h2o-r0.1-s0", "laprox-r0.1-s0"]
     per_cell = expand_results(units, [CellResult(u["name"], u["out_dir"], 1.0, "E" if "group" in u else None)
                                       for u in units])
     assert sorted(r.out_dir for r in per_cell) == sorted(c["out_dir"] for c in cells)
-    assert sum(r.error == "E" for r in per_cell) == 7
+    assert sum(r.error == "E" for r in per_cell) == 10
     unshared = shared_units(expand_sweep({**raw, "options": {"batch_size": 2}}, tmp_path))
     assert not any("group" in u for u in unshared)  # batch 2 prefills two examples at once: no sharing
     with pytest.raises(SkipKVError, match="'share_prefill' must be true or false"):
@@ -300,7 +300,7 @@ def test_cli_share_prefill_runs_a_group(monkeypatch, tmp_path, capsys):
     cfg = tmp_path / "s.yaml"
     cfg.write_text(yaml.safe_dump({
         "model": "random:qwen2:sharp", "datasets": [{"name": "niah", "lengths": [500], "depths": [0.5]}],
-        "policies": ["full", {"name": "snapkv", "phase": "prefill"}, "laprox", "h2o"], "budget_ratios": [0.2],
+        "policies": ["full", {"name": "snapkv", "phase": "prefill"}, "laprox", "skipkv"], "budget_ratios": [0.2],
         "max_new_tokens": 6, "temperature": 0.0, "out": "o", "share_prefill": True,
         "options": {"batch_size": 1, "quiet": True}}))
     monkeypatch.chdir(tmp_path)
@@ -310,9 +310,9 @@ def test_cli_share_prefill_runs_a_group(monkeypatch, tmp_path, capsys):
     assert _main(monkeypatch, ["sweep", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "4/4 cells finished" in out and "3 cells sharing a prefill" in out
-    for name in ("full", "snapkv-r0.2", "laprox-r0.2", "h2o-r0.2"):
+    for name in ("full", "snapkv-r0.2", "laprox-r0.2", "skipkv-r0.2"):
         assert (tmp_path / "o" / "niah" / name / "summary.json").exists()
     import json
 
     assert json.loads((tmp_path / "o" / "niah" / "laprox-r0.2" / "config.json").read_text())["execution"]["shared_prefill"]
-    assert "shared_prefill" not in json.loads((tmp_path / "o" / "niah" / "h2o-r0.2" / "config.json").read_text())["execution"]
+    assert "shared_prefill" not in json.loads((tmp_path / "o" / "niah" / "skipkv-r0.2" / "config.json").read_text())["execution"]

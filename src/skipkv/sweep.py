@@ -17,9 +17,10 @@ full-cache run's mean generation length, so such a cell refers to the sweep's ow
 same dataset and seed and runs after it; on long-context sets it is a fraction of the prompt length.
 
 With `share_prefill: true`, cells that differ only in policy and budget and whose policies compress from the
-stored K/V and window queries (full, streaming_llm, snapkv, pyramidkv, rkv, laprox; not h2o or skipkv) run as
-one unit: each example is prefilled once and every cell's policy continues from a copy (eval.runner.run_shared,
+stored K/V, window queries and prefill attention sums (every policy but skipkv and seal) run as one unit: each
+example is prefilled once and every cell's policy continues from a copy (eval.runner.run_shared,
 engine/shared.py). Each cell's directory gets the records a run of its own would write (batch_size 1, greedy).
+With h2o among them, that one prefill accumulates attention sums (H2O's slower prefill, once for the unit).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ SWEEP_KEYS: dict[str, str] = {
     "out": "output root; a cell writes to OUT/<dataset>/<cell name>",
     "options": "mapping of further EvalConfig fields for every cell (e.g. batch_size, dtype)",
     "ray": "mapping {num_cpus, num_gpus}: resources of one Ray task",
-    "share_prefill": "true: cells that differ only in policy and budget, whose policies compress from the stored "
-                     "K/V and window queries, run together with one prefill per example (greedy, batch_size 1)",
+    "share_prefill": "true: cells that differ only in policy and budget, whose policies need no hidden states, "
+                     "run together with one prefill per example (greedy, batch_size 1)",
 }
 RAY_KEYS = ("num_cpus", "num_gpus")
 # Knobs that the sweep owns: a policy entry may not set them (they come from budgets / budget_ratios).

@@ -19,6 +19,8 @@ so that an engine under a KV memory cap allocates only the slots its admitted re
 
 from __future__ import annotations
 
+import copy
+
 from typing import Sequence
 
 import torch
@@ -50,6 +52,18 @@ class KVStore:
         self.peak_allocated = 0  # K/V bytes
         self.peak_allocated_total = 0  # K/V + positions + accumulators
         self._allocate([capacity] * num_layers)
+
+    def copy(self, aux: tuple[str, ...] | None = None) -> "KVStore":
+        """A deep copy holding the same entries; `aux`: the accumulators it keeps (default: all of them)."""
+        keep = self.aux_names if aux is None else tuple(aux)
+        if not set(keep) <= set(self.aux_names):
+            raise ValueError(f"this store has no accumulator {sorted(set(keep) - set(self.aux_names))[0]!r}")
+        mine = self.aux, self.aux_names
+        self.aux, self.aux_names = {n: self.aux[n] for n in keep}, keep
+        try:
+            return copy.deepcopy(self)
+        finally:
+            self.aux, self.aux_names = mine
 
     # ----------------------------------------------------------------------------------------- memory
     def _buf(self, capacity: int) -> torch.Tensor:

@@ -13,10 +13,12 @@ size, so decode-time compression and the memory figures are the policy's own), r
 and decodes on its own runner. Tests check that every branch returns the tokens, KV figures and layer lengths of
 a batch-1 `generate` with that policy (bf16 included: the prefill is the same batch-1 forward).
 
-What cannot share (`shares_prefill` is False): a policy that needs attention accumulated during the prefill
-(H2O's `attn`) or the prefill's hidden states (SkipKV), or a window wider than the one captured; prefill in
-chunks (a policy compresses between chunks, so the next chunk's inputs differ); sampling (a branch would replay
-the full request's generator); steering hooks. Those raise SkipKVError.
+A policy that needs the attention each prompt entry received during the prefill (H2O's `attn`) shares too: when
+one does, the shared prefill accumulates it (H2O's slower prefill, once for all), and branches whose policy does
+not read it get a copy without it. What cannot share (`shares_prefill` is False): a policy that needs the
+prefill's hidden states (SkipKV) or a steering hook, or a window wider than the one captured; prefill in chunks
+(a policy compresses between chunks, so the next chunk's inputs differ); sampling (a branch would replay the
+full request's generator). Those raise SkipKVError.
 
 Timing: a result's `seconds` is the shared prefill plus that branch's own compression and decode, i.e. what a
 run of that policy alone would have spent on this request (without the others' branches).
@@ -24,14 +26,13 @@ run of that policy alone would have spent on this request (without the others' b
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable, Sequence
 
 import torch
 
 from skipkv.attention import QueryBuffer, attention_backend
-from skipkv.cache import SlotCache
+from skipkv.cache import KVStore, SlotCache
 from skipkv.config import SamplingParams
 from skipkv.engine.engine import finish_reason, make_result
 from skipkv.engine.request import Request, RequestResult
@@ -41,10 +42,10 @@ from skipkv.policies import Policy, make_policy
 
 
 def shares_prefill(policy: Policy, window: int | None = None) -> bool:
-    """True when `policy` scores from the store and the newest queries alone (no attention sums, no hidden
-    states, no steering), so it can compress a copy of the full prefill; with `window`, also that its query
-    window fits the `window` queries captured."""
-    if not policy.requirements() <= {"queries"} or type(policy).steering_hook is not Policy.steering_hook:
+    """True when `policy` scores from the store, the newest queries and the prefill's attention sums alone (no
+    hidden states, no steering), so it can compress a copy of the full prefill; with `window`, also that its
+    query window fits the `window` queries captured."""
+    if not policy.requirements() <= {"queries", "attn"} or type(policy).steering_hook is not Policy.steering_hook:
         return False
     return window is None or "queries" not in policy.requirements() or policy.query_window <= window
 
@@ -54,13 +55,18 @@ def capture_window(policies: Sequence[Policy]) -> int:
     return max([p.query_window for p in policies if "queries" in p.requirements()], default=0)
 
 
-def prefill_full(bundle, ids: list[int], window: int, sampling: SamplingParams | None = None
+def prefill_full(bundle, ids: list[int], window: int, sampling: SamplingParams | None = None, attn: bool = False
                  ) -> tuple[ModelRunner, Request, int]:
-    """Prefill `ids` once with the full cache, buffering the newest `window` queries of every layer (0: none).
+    """Prefill `ids` once with the full cache, buffering the newest `window` queries of every layer (0: none)
+    and, with `attn`, accumulating the attention each entry receives (as H2O's prefill does).
     Returns (the runner, its request, the first token). Call under the attention backend and inference mode."""
     from skipkv.engine import make_requests
 
     runner = ModelRunner(bundle, make_policy("full"), num_slots=0)
+    if attn:
+        s = runner.store
+        runner.store = KVStore(s.num_layers, 0, s.num_kv_heads, s.head_dim, 0, s.dtype, s.device, aux=("attn",))
+        runner.cache = SlotCache(runner.store)
     if window:
         cfg = bundle.model.config
         runner.queries = QueryBuffer(cfg.num_hidden_layers, 0, cfg.num_attention_heads, window, runner.head_dim,
@@ -76,11 +82,12 @@ def branch(bundle, full: ModelRunner, policy: Policy, ids: list[int], sampling: 
     would have compressed it; its request is `running[0]`, with the prefill's memory peak noted, no token yet."""
     from skipkv.engine import make_requests
 
-    if not shares_prefill(policy, full.queries.window if full.queries is not None else 0):
-        raise SkipKVError(f"policy {type(policy).__name__} cannot continue from a shared prefill "
-                          "(it needs attention sums, hidden states or a wider query window)")
+    missing = set(policy.requirements()) & {"attn"} - set(full.store.aux_names)
+    if missing or not shares_prefill(policy, full.queries.window if full.queries is not None else 0):
+        raise SkipKVError(f"policy {type(policy).__name__} cannot continue from this shared prefill "
+                          "(it needs hidden states, attention sums not accumulated, or a wider query window)")
     run = ModelRunner(bundle, policy, num_slots=0)
-    run.store = copy.deepcopy(full.store)
+    run.store = full.store.copy(aux=run.store.aux_names)  # the accumulators this policy reads, no others
     run.cache = SlotCache(run.store)
     if run.queries is not None:
         run.queries = full.queries.narrowed(policy.query_window)
@@ -108,11 +115,12 @@ def generate_shared(bundle, ids: list[int], sampling: SamplingParams, policies: 
     refused = [type(p).__name__ for p in policies if not shares_prefill(p)]
     if refused:
         raise SkipKVError(f"policy {refused[0]} cannot continue from a shared prefill "
-                          "(it needs attention sums or hidden states during the prefill)")
+                          "(it needs the prefill's hidden states or a steering hook)")
     results: list[RequestResult] = []
     with attention_backend(bundle.model), torch.inference_mode():
         t0 = time.perf_counter()
-        full, _, first = prefill_full(bundle, ids, capture_window(policies), sampling)
+        attn = any("attn" in p.requirements() for p in policies)
+        full, _, first = prefill_full(bundle, ids, capture_window(policies), sampling, attn=attn)
         prefill_seconds = time.perf_counter() - t0
         for i, policy in enumerate(policies):
             began = time.perf_counter()

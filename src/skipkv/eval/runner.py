@@ -574,7 +574,7 @@ def shared_prefill_problem(cfg: EvalConfig) -> str | None:
     if cfg.trace:
         return "it traces"
     if not shares_prefill(_make_policy(cfg, cfg.budget if cfg.budget_ratio is None else 1 << 20)):
-        return f"policy {cfg.policy} needs attention sums or hidden states during the prefill"
+        return f"policy {cfg.policy} needs the prefill's hidden states or a steering hook"
     return None
 
 
