@@ -21,7 +21,8 @@ prefill's hidden states (SkipKV) or a steering hook, or a window wider than the 
 full request's generator). Those raise SkipKVError.
 
 Timing: a result's `seconds` is the shared prefill plus that branch's own compression and decode, i.e. what a
-run of that policy alone would have spent on this request (without the others' branches).
+run of that policy alone would have spent on this request (without the others' branches), except that when the
+prefill accumulated attention sums for an H2O branch, every branch's figure includes that slower prefill.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def branch(bundle, full: ModelRunner, policy: Policy, ids: list[int], sampling: 
     return run, req
 
 
-def _finish(bundle, run: ModelRunner, req: Request, token: int) -> str | None:
+def _finish(bundle, req: Request, token: int) -> str | None:
     req.add_token(token, time.perf_counter())
     req.finish_reason = finish_reason(bundle.tokenizer, req)
     return req.finish_reason
@@ -126,12 +127,12 @@ def generate_shared(bundle, ids: list[int], sampling: SamplingParams, policies: 
             began = time.perf_counter()
             run, req = branch(bundle, full, policy, ids, sampling)
             req.started = req.arrived = began - prefill_seconds  # as if this request alone had been prefilled
-            done = _finish(bundle, run, req, first)
+            done = _finish(bundle, req, first)
             run.fit(exact=True)  # sized for what it keeps and its remaining growth, as the engine does after a prefill
             req.allocated_kv_bytes = run.store.allocated_bytes()
             while not done:
                 [token] = run.decode()
-                done = _finish(bundle, run, req, token)
+                done = _finish(bundle, req, token)
                 run.fit(exact=True)
             run.release([req])
             result = make_result(bundle.tokenizer, req, time.perf_counter())
