@@ -1,0 +1,95 @@
+"""A sweep's grid as one Markdown table per budget: policies down, datasets across (correct / n), pooled over the
+datasets with a Wilson 95% interval, and each policy against a reference policy on the same examples (pooled
+discordant pairs, exact McNemar). Cells are read from a sweep's output root, OUT/<dataset>/<label>-r<ratio>-s<seed>.
+
+    python benchmarks/grid.py docs/results/runs/longctx4k --against laprox-pool7 [--score]
+
+--score: the mean score (the share of the reference words found, e.g. common_words) instead of correct/n.
+Examples missing from any cell of a budget are left out of that budget's comparisons (pairs need both runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from skipkv.report.stats import mcnemar_exact, wilson
+
+ORDER = ("full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "rkv")  # baselines first, then the rest by name
+CELL = re.compile(r"^(?P<label>.+?)(?:-r(?P<ratio>[0-9.]+))?-s\d+$")
+
+
+def load(root: Path) -> dict[str, dict[str, dict[str | None, dict[str, dict]]]]:
+    """{dataset: {label: {ratio or None: {example id: record}}}}."""
+    grid: dict = defaultdict(lambda: defaultdict(dict))
+    for records in sorted(root.glob("*/*/records.jsonl")):
+        m = CELL.match(records.parent.name)
+        if not m:
+            continue
+        rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+        grid[records.parent.parent.name][m["label"]][m["ratio"]] = {r["id"]: r for r in rows}
+    return grid
+
+
+def table(grid, ratio: str, against: str | None, score: bool) -> str:
+    datasets = sorted(grid)
+    found = set(lab for ds in datasets for lab in grid[ds])
+    labels = [lab for lab in ORDER if lab in found] + sorted(found - set(ORDER))
+    cell = {(ds, lab): grid[ds][lab].get(ratio, grid[ds][lab].get(None)) for ds in datasets for lab in labels}
+    # Only examples every policy of this budget finished, so every row is on the same examples.
+    shared = {ds: set.intersection(*[set(cell[ds, lab] or {}) for lab in labels if lab in grid[ds]]) for ds in datasets}
+    head = "| policy | " + " | ".join(datasets) + " | pooled [95% CI] |" + (f" vs {against}: only it / only this, p |" if against else "")
+    lines = [head, "|:---|" + "---:|" * (len(datasets) + 1) + ("---|" if against else "")]
+    for lab in labels:
+        parts, k_all, n_all, vals = [], 0, 0, []
+        only_ref = only_me = 0
+        for ds in datasets:
+            recs = cell[ds, lab]
+            if not recs:
+                parts.append("—")
+                continue
+            ids = sorted(shared[ds])
+            if score:
+                v = [float(recs[i]["score"]) for i in ids]
+                vals += v
+                parts.append(f"{sum(v) / max(len(v), 1):.2f}")
+            else:
+                k = sum(bool(recs[i]["correct"]) for i in ids)
+                k_all, n_all = k_all + k, n_all + len(ids)
+                parts.append(f"{k}/{len(ids)}")
+            ref = cell.get((ds, against)) if against else None
+            if ref and lab != against:
+                only_ref += sum(bool(ref[i]["correct"]) and not recs[i]["correct"] for i in ids)
+                only_me += sum(bool(recs[i]["correct"]) and not ref[i]["correct"] for i in ids)
+        if score:
+            pooled = f"{sum(vals) / max(len(vals), 1):.2f} (n = {len(vals)})"
+        else:
+            lo, hi = wilson(k_all, n_all)
+            pooled = f"{k_all}/{n_all} [{lo:.0%}, {hi:.0%}]"
+        vs = ""
+        if against:
+            has_ref = any(cell.get((ds, against)) for ds in datasets)
+            vs = " |" if lab == against else (" — |" if not has_ref else
+                                              f" {only_ref} / {only_me}, p = {mcnemar_exact(only_ref, only_me):.2f} |")
+        lines.append(f"| {lab} | " + " | ".join(parts) + f" | {pooled} |" + vs)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--against", default=None, help="reference policy label for the paired column")
+    ap.add_argument("--score", action="store_true", help="mean score instead of correct / n")
+    args = ap.parse_args()
+    grid = load(args.root)
+    ratios = sorted({r for ds in grid.values() for lab in ds.values() for r in lab if r is not None}, key=float)
+    for r in ratios:
+        print(f"\n**{float(r):.0%} of the prompt**\n")
+        print(table(grid, r, args.against, args.score))
+
+
+if __name__ == "__main__":
+    main()
