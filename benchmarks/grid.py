@@ -4,7 +4,8 @@ discordant pairs, exact McNemar). Cells are read from a sweep's output root, OUT
 
     python benchmarks/grid.py docs/results/runs/longctx4k --against laprox-pool7 [--score]
 
---score: the mean score (the share of the reference words found, e.g. common_words) instead of correct/n.
+--score: the mean score (the share of the reference words found, e.g. common_words) instead of correct/n, with a
+seeded bootstrap interval over examples, and against the reference the mean paired difference (bootstrap).
 Examples missing from any cell of a budget are left out of that budget's comparisons (pairs need both runs).
 """
 
@@ -16,7 +17,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from skipkv.report.stats import mcnemar_exact, wilson
+from skipkv.report.stats import bootstrap, mcnemar_exact, wilson
 
 ORDER = ("full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "rkv")  # baselines first, then the rest by name
 CELL = re.compile(r"^(?P<label>.+?)(?:-r(?P<ratio>[0-9.]+))?-s\d+$")
@@ -41,17 +42,18 @@ def table(grid, ratio: str, against: str | None, score: bool) -> str:
     cell = {(ds, lab): grid[ds][lab].get(ratio, grid[ds][lab].get(None)) for ds in datasets for lab in labels}
     # Only examples every policy of this budget finished, so every row is on the same examples.
     shared = {ds: set.intersection(*[set(cell[ds, lab] or {}) for lab in labels if lab in grid[ds]]) for ds in datasets}
-    head = "| policy | " + " | ".join(datasets) + " | pooled [95% CI] |" + (f" vs {against}: only it / only this, p |" if against else "")
+    vs_head = f" this − {against}, mean [95% CI] |" if score else f" vs {against}: only it / only this, p |"
+    head = "| policy | " + " | ".join(datasets) + " | pooled [95% CI] |" + (vs_head if against else "")
     lines = [head, "|:---|" + "---:|" * (len(datasets) + 1) + ("---|" if against else "")]
     for lab in labels:
-        parts, k_all, n_all, vals = [], 0, 0, []
+        parts, k_all, n_all, vals, diffs = [], 0, 0, [], []
         only_ref = only_me = 0
         for ds in datasets:
             recs = cell[ds, lab]
-            if not recs:
+            ids = sorted(shared[ds])
+            if not recs or not ids:
                 parts.append("—")
                 continue
-            ids = sorted(shared[ds])
             if score:
                 v = [float(recs[i]["score"]) for i in ids]
                 vals += v
@@ -62,18 +64,27 @@ def table(grid, ratio: str, against: str | None, score: bool) -> str:
                 parts.append(f"{k}/{len(ids)}")
             ref = cell.get((ds, against)) if against else None
             if ref and lab != against:
+                diffs += [float(recs[i]["score"]) - float(ref[i]["score"]) for i in ids]
                 only_ref += sum(bool(ref[i]["correct"]) and not recs[i]["correct"] for i in ids)
                 only_me += sum(bool(recs[i]["correct"]) and not ref[i]["correct"] for i in ids)
         if score:
-            pooled = f"{sum(vals) / max(len(vals), 1):.2f} (n = {len(vals)})"
+            lo, hi = bootstrap(vals)
+            pooled = f"{sum(vals) / max(len(vals), 1):.2f} [{lo:.2f}, {hi:.2f}] (n = {len(vals)})"
         else:
             lo, hi = wilson(k_all, n_all)
             pooled = f"{k_all}/{n_all} [{lo:.0%}, {hi:.0%}]"
         vs = ""
         if against:
             has_ref = any(cell.get((ds, against)) for ds in datasets)
-            vs = " |" if lab == against else (" — |" if not has_ref else
-                                              f" {only_ref} / {only_me}, p = {mcnemar_exact(only_ref, only_me):.2f} |")
+            if lab == against:
+                vs = " |"
+            elif not has_ref:
+                vs = " — |"
+            elif score:
+                lo, hi = bootstrap(diffs)
+                vs = f" {sum(diffs) / max(len(diffs), 1):+.2f} [{lo:+.2f}, {hi:+.2f}] |"
+            else:
+                vs = f" {only_ref} / {only_me}, p = {mcnemar_exact(only_ref, only_me):.2f} |"
         lines.append(f"| {lab} | " + " | ".join(parts) + f" | {pooled} |" + vs)
     return "\n".join(lines)
 
