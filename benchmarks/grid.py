@@ -2,7 +2,7 @@
 datasets with a Wilson 95% interval, and each policy against a reference policy on the same examples (pooled
 discordant pairs, exact McNemar). Cells are read from a sweep's output root, OUT/<dataset>/<label>-r<ratio>-s<seed>.
 
-    python benchmarks/grid.py docs/results/runs/longctx4k --against laprox-pool7 [--score]
+    python benchmarks/grid.py docs/results/runs/longctx4k --against laprox-pool7 [--score] [--datasets niah,niah_multikey]
 
 --score: the mean score (the share of the reference words found, e.g. common_words) instead of correct/n, with a
 seeded bootstrap interval over examples, and against the reference the mean paired difference (bootstrap).
@@ -89,14 +89,37 @@ def table(grid, ratio: str, against: str | None, score: bool) -> str:
     return "\n".join(lines)
 
 
+def compact(grid, ratios: list[str], against: str | None, score: bool) -> str:
+    """One table: policies down, budgets across; each cell the pooled figure and, against the reference, the
+    discordant pairs (only it / only this) or the mean paired difference."""
+    rows: dict[str, list[str]] = {}
+    for r in ratios:
+        for line in table(grid, r, against, score).splitlines()[2:]:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            label, pooled = cells[0], cells[-2 if against else -1]
+            pooled = pooled.split(" [")[0] if not score else pooled.split(" (n")[0]
+            vs = cells[-1] if against else ""
+            vs = vs.split(",")[0] if vs and not score else vs.split(" [")[0] if vs else ""
+            rows.setdefault(label, []).append(f"{pooled} ({vs})" if vs and vs != "—" else pooled)
+    head = "| policy | " + " | ".join(f"{float(r):.0%}" for r in ratios) + " |"
+    return "\n".join([head, "|:---|" + "---:|" * len(ratios)] + [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path)
     ap.add_argument("--against", default=None, help="reference policy label for the paired column")
     ap.add_argument("--score", action="store_true", help="mean score instead of correct / n")
+    ap.add_argument("--compact", action="store_true", help="one table, budgets across (pooled figures only)")
+    ap.add_argument("--datasets", default=None, help="comma-separated dataset dirs to keep (default: all)")
     args = ap.parse_args()
     grid = load(args.root)
+    if args.datasets:
+        grid = {ds: v for ds, v in grid.items() if ds in args.datasets.split(",")}
     ratios = sorted({r for ds in grid.values() for lab in ds.values() for r in lab if r is not None}, key=float)
+    if args.compact:
+        print(compact(grid, ratios, args.against, args.score))
+        return
     for r in ratios:
         print(f"\n**{float(r):.0%} of the prompt**\n")
         print(table(grid, r, args.against, args.score))
