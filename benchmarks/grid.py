@@ -15,6 +15,7 @@ import argparse
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from skipkv.report.stats import bootstrap, mcnemar_exact, wilson
@@ -35,74 +36,86 @@ def load(root: Path) -> dict[str, dict[str, dict[str | None, dict[str, dict]]]]:
     return grid
 
 
-def table(grid, ratio: str, against: str | None, score: bool) -> str:
+@dataclass
+class Row:
+    """One policy at one budget: per-dataset figures, the pooled figure and its interval, and against the
+    reference the short comparison (discordant pairs or mean difference) and its detail (p or interval)."""
+
+    label: str
+    parts: list[str]
+    pooled: str
+    interval: str
+    vs: str = ""  # empty for the reference itself; "—" when the reference has no run at this budget
+    vs_detail: str = ""
+
+
+def rows(grid, ratio: str, against: str | None, score: bool) -> list[Row]:
     datasets = sorted(grid)
     found = set(lab for ds in datasets for lab in grid[ds])
     labels = [lab for lab in ORDER if lab in found] + sorted(found - set(ORDER))
     cell = {(ds, lab): grid[ds][lab].get(ratio, grid[ds][lab].get(None)) for ds in datasets for lab in labels}
     # Only examples every policy of this budget finished, so every row is on the same examples.
     shared = {ds: set.intersection(*[set(cell[ds, lab] or {}) for lab in labels if lab in grid[ds]]) for ds in datasets}
-    vs_head = f" this − {against}, mean [95% CI] |" if score else f" vs {against}: only it / only this, p |"
-    head = "| policy | " + " | ".join(datasets) + " | pooled [95% CI] |" + (vs_head if against else "")
-    lines = [head, "|:---|" + "---:|" * (len(datasets) + 1) + ("---|" if against else "")]
+    has_ref = against is not None and any(cell.get((ds, against)) for ds in datasets)
+    out = []
     for lab in labels:
-        parts, k_all, n_all, vals, diffs = [], 0, 0, [], []
-        only_ref = only_me = 0
+        parts, vals, refs = [], [], []
         for ds in datasets:
-            recs = cell[ds, lab]
-            ids = sorted(shared[ds])
+            recs, ids = cell[ds, lab], sorted(shared[ds])
             if not recs or not ids:
                 parts.append("—")
                 continue
-            if score:
-                v = [float(recs[i]["score"]) for i in ids]
-                vals += v
-                parts.append(f"{sum(v) / max(len(v), 1):.2f}")
-            else:
-                k = sum(bool(recs[i]["correct"]) for i in ids)
-                k_all, n_all = k_all + k, n_all + len(ids)
-                parts.append(f"{k}/{len(ids)}")
-            ref = cell.get((ds, against)) if against else None
-            if ref and lab != against:
-                diffs += [float(recs[i]["score"]) - float(ref[i]["score"]) for i in ids]
-                only_ref += sum(bool(ref[i]["correct"]) and not recs[i]["correct"] for i in ids)
-                only_me += sum(bool(recs[i]["correct"]) and not ref[i]["correct"] for i in ids)
+            v = [float(recs[i]["score"] if score else bool(recs[i]["correct"])) for i in ids]
+            vals += v
+            parts.append(f"{sum(v) / len(v):.2f}" if score else f"{int(sum(v))}/{len(v)}")
+            ref = cell.get((ds, against)) if has_ref else None
+            refs += [float(ref[i]["score"] if score else bool(ref[i]["correct"])) for i in ids] if ref else [None] * len(ids)
+        n = len(vals)
         if score:
             lo, hi = bootstrap(vals)
-            pooled = f"{sum(vals) / max(len(vals), 1):.2f} [{lo:.2f}, {hi:.2f}] (n = {len(vals)})"
+            row = Row(lab, parts, f"{sum(vals) / max(n, 1):.2f}", f"[{lo:.2f}, {hi:.2f}] (n = {n})")
         else:
-            lo, hi = wilson(k_all, n_all)
-            pooled = f"{k_all}/{n_all} [{lo:.0%}, {hi:.0%}]"
-        vs = ""
-        if against:
-            has_ref = any(cell.get((ds, against)) for ds in datasets)
-            if lab == against:
-                vs = " |"
-            elif not has_ref:
-                vs = " — |"
+            lo, hi = wilson(int(sum(vals)), n)
+            row = Row(lab, parts, f"{int(sum(vals))}/{n}", f"[{lo:.0%}, {hi:.0%}]")
+        pairs = [(me, ref) for me, ref in zip(vals, refs) if ref is not None]
+        if against is not None and lab != against:
+            if not has_ref:
+                row.vs = "—"
             elif score:
+                diffs = [me - ref for me, ref in pairs]
                 lo, hi = bootstrap(diffs)
-                vs = f" {sum(diffs) / max(len(diffs), 1):+.2f} [{lo:+.2f}, {hi:+.2f}] |"
+                row.vs, row.vs_detail = f"{sum(diffs) / max(len(diffs), 1):+.2f}", f"[{lo:+.2f}, {hi:+.2f}]"
             else:
-                vs = f" {only_ref} / {only_me}, p = {mcnemar_exact(only_ref, only_me):.2f} |"
-        lines.append(f"| {lab} | " + " | ".join(parts) + f" | {pooled} |" + vs)
+                only_ref = sum(bool(ref) and not me for me, ref in pairs)
+                only_me = sum(bool(me) and not ref for me, ref in pairs)
+                row.vs, row.vs_detail = f"{only_ref} / {only_me}", f"p = {mcnemar_exact(only_ref, only_me):.2f}"
+        out.append(row)
+    return out
+
+
+def table(grid, ratio: str, against: str | None, score: bool) -> str:
+    datasets = sorted(grid)
+    vs_head = f" this − {against}, mean [95% CI] |" if score else f" vs {against}: only it / only this, p |"
+    lines = ["| policy | " + " | ".join(datasets) + " | pooled [95% CI] |" + (vs_head if against else ""),
+             "|:---|" + "---:|" * (len(datasets) + 1) + ("---|" if against else "")]
+    for r in rows(grid, ratio, against, score):
+        vs = " |" if against else ""
+        if against and r.vs:
+            vs = f" {r.vs}{(' ' if score else ', ') + r.vs_detail if r.vs_detail else ''} |"
+        lines.append(f"| {r.label} | " + " | ".join(r.parts) + f" | {r.pooled} {r.interval} |" + vs)
     return "\n".join(lines)
 
 
 def compact(grid, ratios: list[str], against: str | None, score: bool) -> str:
-    """One table: policies down, budgets across; each cell the pooled figure and, against the reference, the
-    discordant pairs (only it / only this) or the mean paired difference."""
-    rows: dict[str, list[str]] = {}
-    for r in ratios:
-        for line in table(grid, r, against, score).splitlines()[2:]:
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            label, pooled = cells[0], cells[-2 if against else -1]
-            pooled = pooled.split(" [")[0] if not score else pooled.split(" (n")[0]
-            vs = cells[-1] if against else ""
-            vs = vs.split(",")[0] if vs and not score else vs.split(" [")[0] if vs else ""
-            rows.setdefault(label, []).append(f"{pooled} ({vs})" if vs and vs != "—" else pooled)
+    """One table: policies down, budgets across; each cell the pooled figure (with its interval for scores)
+    and, against the reference, the discordant pairs (only it / only this) or the mean paired difference."""
+    cells: dict[str, list[str]] = {}
+    for ratio in ratios:
+        for r in rows(grid, ratio, against, score):
+            fig = f"{r.pooled} {r.interval.split(' (n')[0]}" if score else r.pooled
+            cells.setdefault(r.label, []).append(f"{fig} ({r.vs})" if r.vs and r.vs != "—" else fig)
     head = "| policy | " + " | ".join(f"{float(r):.0%}" for r in ratios) + " |"
-    return "\n".join([head, "|:---|" + "---:|" * len(ratios)] + [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()])
+    return "\n".join([head, "|:---|" + "---:|" * len(ratios)] + [f"| {k} | " + " | ".join(v) + " |" for k, v in cells.items()])
 
 
 def main() -> None:

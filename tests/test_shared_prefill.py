@@ -73,13 +73,13 @@ def test_narrowed_query_buffer_equals_a_buffer_of_that_size():
     L, S, Hq, D = 2, 2, 3, 4
     big, small = (QueryBuffer(L, S, Hq, w, D, torch.float32, torch.device("cpu")) for w in (8, 3))
     g = torch.Generator().manual_seed(0)
-    real = torch.tensor([11, 2])  # row 1 shorter than the small window after the prefill chunk
+    real = torch.tensor([11, 0])  # row 1 gets only the 2 decode queries: fewer than even the small window holds
     q = torch.randn(S, Hq, 11, D, generator=g)
     pos = torch.arange(11).expand(S, -1)
     for buf in (big, small):
         for l in range(L):
             buf.write(l, 0, q, pos, real)
-    for step in range(5):  # decode steps wrap both rings
+    for step in range(2):
         qd = torch.randn(S, Hq, 1, D, generator=g)
         pd = (real + step)[:, None]
         for buf in (big, small):
@@ -127,57 +127,51 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
     """Records (timing aside), summaries and config identity of a shared run equal separate run_eval runs; a
     second call resumes (nothing to do), and a half-done group only fills in what is missing."""
     import json
+    import shutil
+    from pathlib import Path
 
     from skipkv.eval.runner import run_eval, run_shared
+
+    def summary(out: str) -> dict:
+        return {k: v for k, v in json.loads((Path(out) / "summary.json").read_text()).items() if k != "tokens_per_second"}
 
     specs = [("full", None, {}), ("snapkv", 0.2, {"phase": "prefill"}), ("laprox", 0.2, {}),
              ("laprox", 0.1, {"kernel": 3}), ("rkv", 0.3, {}), ("h2o", 0.2, {"phase": "prefill"})]
     shared = [_cell(tmp_path / "shared" / f"c{i}", p, r, **k) for i, (p, r, k) in enumerate(specs)]
     alone = [_cell(tmp_path / "alone" / f"c{i}", p, r, **k) for i, (p, r, k) in enumerate(specs)]
     run_eval(alone[2])  # one run of the group is already done: the shared pass must leave it as it is
-    before = (tmp_path / "alone" / "c2" / "records.jsonl").read_bytes()
-    import shutil
-
-    shutil.copytree(tmp_path / "alone" / "c2", tmp_path / "shared" / "c2")
+    before = (Path(alone[2].out) / "records.jsonl").read_bytes()
+    shutil.copytree(alone[2].out, shared[2].out)
     run_shared(shared)
-    assert (tmp_path / "shared" / "c2" / "records.jsonl").read_bytes() == before
-    for cfg in alone:
-        if cfg is not alone[2]:
-            run_eval(cfg)
+    assert (Path(shared[2].out) / "records.jsonl").read_bytes() == before
+    for cfg in alone[:2] + alone[3:]:
+        run_eval(cfg)
     outputs = set()
     for a, b in zip(alone, shared):
-        ra, rb = _records(tmp_path / "alone" / a.out.split("/")[-1]), _records(tmp_path / "shared" / b.out.split("/")[-1])
+        ra, rb = _records(Path(a.out)), _records(Path(b.out))
         assert len(ra) == 4 and ra == rb, a.policy
         outputs.add(tuple(r["output"] for r in ra))
-        sa, sb = (json.loads((tmp_path / d / a.out.split("/")[-1] / "summary.json").read_text()) for d in ("alone", "shared"))
-        assert {k: v for k, v in sa.items() if k != "tokens_per_second"} == \
-            {k: v for k, v in sb.items() if k != "tokens_per_second"}
-        config = json.loads((tmp_path / "shared" / b.out.split("/")[-1] / "config.json").read_text())
+        assert summary(a.out) == summary(b.out)
+        config = json.loads((Path(b.out) / "config.json").read_text())
         assert config["execution"].get("shared_prefill") is (None if b is shared[2] else True)
     assert len(outputs) > 1
-    mtime = (tmp_path / "shared" / "c1" / "records.jsonl").stat().st_mtime_ns
+    mtime = (Path(shared[1].out) / "records.jsonl").stat().st_mtime_ns
     run_shared(shared)  # resumes: every example done, nothing appended
-    assert (tmp_path / "shared" / "c1" / "records.jsonl").stat().st_mtime_ns == mtime
-    run_eval(alone[1])  # and a separate run_eval accepts a shared run's dir as its own (same identity)
-    run_eval(_cell(tmp_path / "shared" / "c1", "snapkv", 0.2, phase="prefill"))
+    assert (Path(shared[1].out) / "records.jsonl").stat().st_mtime_ns == mtime
+    run_eval(shared[1])  # and run_eval accepts a shared run's dir as its own (same identity)
 
 
 def test_run_shared_refuses_runs_that_cannot_share(tmp_path):
+    from dataclasses import replace
+
     from skipkv.eval.runner import run_shared
 
     ok = _cell(tmp_path / "a", "snapkv", 0.2)
-    for bad, msg in ((_cell(tmp_path / "b", "skipkv", 0.2), "hidden states"),
-                     (_cell(tmp_path / "b", "snapkv", 0.2, window=4).__class__(**{**_fields(ok), "out": str(tmp_path / "b"),
-                                                                                   "max_new_tokens": 5}), "max_new_tokens"),
+    b = str(tmp_path / "b")
+    for bad, msg in ((_cell(b, "skipkv", 0.2), "hidden states"),
+                     (replace(ok, out=b, max_new_tokens=5), "max_new_tokens"),
                      (_cell(tmp_path / "a", "laprox", 0.1), "two runs write"),
-                     (_cell(tmp_path / "b", "laprox", 0.1).__class__(**{**_fields(ok), "out": str(tmp_path / "b"),
-                                                                          "prefill_chunk": 128}), "chunks")):
+                     (replace(ok, out=b, prefill_chunk=128), "chunks")):
         with pytest.raises(SkipKVError, match=msg):
             run_shared([ok, bad])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any dir was made
-
-
-def _fields(cfg) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}

@@ -434,7 +434,6 @@ class _Plan:
     dataset: Dataset
     grader: Grader
     mode: str  # budget_mode
-    fixed_budget: int | None
     ref_mean: float | None
     policy: Any
     max_new: int
@@ -463,7 +462,7 @@ def _plan(cfg: EvalConfig) -> _Plan:
     grader.ready()  # e.g. the code sandbox's isolation: unavailable -> a one-line error before any output
     max_new = cfg.max_new_tokens or dataset.max_new_tokens
     stop = dataset.raw_stop if cfg.prompt_style == "raw" else ()
-    return _Plan(dataset, grader, mode, fixed_budget, ref_mean, policy, max_new, stop, _check_run_dir(cfg.out))
+    return _Plan(dataset, grader, mode, ref_mean, policy, max_new, stop, _check_run_dir(cfg.out))
 
 
 def _open_run(cfg: EvalConfig, plan: _Plan, bundle: Any, created: list, shared_prefill: bool = False) -> _Run:
