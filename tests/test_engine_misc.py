@@ -7,7 +7,7 @@ import torch
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate
 from skipkv.config import EngineConfig
-from skipkv.engine.hooks import ResidualAdd
+from skipkv.steering.hook import ResidualAdd
 from skipkv.engine.sampler import filter_logits
 
 

@@ -18,7 +18,7 @@ from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.sentences import TokenTables
 from skipkv.steering import SteeringFile, SteerState
-from skipkv.steering.build import build_from_chains, nn_boundaries
+from skipkv.eval.steering import build_from_chains, nn_boundaries
 
 LAYER = 1
 

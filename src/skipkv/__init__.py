@@ -6,8 +6,7 @@
 """
 
 from skipkv.errors import SkipKVError
-
-__version__ = "0.1.0"
+from skipkv.version import __version__
 
 __all__ = ["SkipKVError", "SamplingParams", "generate", "load_model", "make_policy", "__version__"]
 

@@ -25,7 +25,7 @@ COMMAND_MODULES = [
     "skipkv.sweep",
     "skipkv.report.cli",
     "skipkv.bench.cli",
-    "skipkv.steering.cli",
+    "skipkv.eval.steer_cli",
     "skipkv.serve.cli",
 ]
 

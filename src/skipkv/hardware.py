@@ -152,9 +152,9 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             found[pkg] = None
     if found["skipkv"] is None:  # running from a source tree that is not installed
-        import skipkv
+        from skipkv.version import __version__
 
-        found["skipkv"] = skipkv.__version__
+        found["skipkv"] = __version__
     found["python"] = platform.python_version()
     return found
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine.engine import Engine, EngineStats, StepOutput, check_fits, new_request
-from skipkv.engine.hooks import ResidualAdd
+from skipkv.steering.hook import ResidualAdd
 from skipkv.engine.request import Request, RequestResult, encode_prompt, eos_ids
 from skipkv.errors import SkipKVError
 from skipkv.policies import Policy, make_policy

@@ -1,48 +1,8 @@
-"""Engine hooks on the model's residual stream (used by SkipKV's adaptive steering).
+"""Re-export of the steering hook, which lives in `skipkv.steering.hook` (steering sits below the engine).
 
-`ResidualAdd` adds coef_b · v to the residual input of one decoder layer at the newest position of every
-row b whose gate is open; coefficients and gates are set per request before each decode forward.
-
-    hook = ResidualAdd(model, layer=20, vector=v, coef=lambda state: -1.0, gate=lambda tok, state: True)
+Kept only so engine modules edited in parallel keep importing; new code imports `skipkv.steering.hook`.
 """
 
-from __future__ import annotations
+from skipkv.steering.hook import ResidualAdd
 
-from typing import Callable
-
-import torch
-
-from skipkv.cache.store import to_device
-
-
-class ResidualAdd:
-    def __init__(self, model, layer: int, vector: torch.Tensor, coef: Callable[[object], float],
-                 gate: Callable[[int, object], bool] | None = None) -> None:
-        layers = model.model.layers
-        if not 0 <= layer < len(layers):
-            raise ValueError(f"steering layer {layer} outside [0, {len(layers)})")
-        p = next(model.parameters())
-        self.vector = vector.to(device=p.device, dtype=p.dtype)
-        self.coef, self.gate = coef, gate
-        self.scale: torch.Tensor | None = None  # [B] coefficient per row for the next forward (0 = closed)
-        self.handle = layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def prepare(self, tokens: torch.Tensor, states: list) -> None:
-        """Set the per-row scale for the next forward from each request's current token (host tensor [B]) and state."""
-        vals = [self.coef(s) if (self.gate is None or self.gate(int(t), s)) else 0.0 for t, s in zip(tokens.tolist(), states)]
-        self.scale = to_device(torch.tensor(vals, dtype=self.vector.dtype), self.vector.device)
-
-    def _hook(self, module, args, kwargs):
-        if self.scale is None:
-            return None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        hidden = hidden.clone()
-        hidden[:, -1] += self.scale[:, None] * self.vector
-        self.scale = None
-        if args:
-            return (hidden, *args[1:]), kwargs
-        kwargs["hidden_states"] = hidden
-        return args, kwargs
-
-    def remove(self) -> None:
-        self.handle.remove()
+__all__ = ["ResidualAdd"]

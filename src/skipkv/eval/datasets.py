@@ -12,107 +12,29 @@ reads the public hub copies through `datasets` and converts them to that schema.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from importlib import resources
+from abc import abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from skipkv.errors import SkipKVError
-from skipkv.registry import Registry
 
-SOURCES = ("local", "hub")
+# The long-context sets register themselves on import, so every name is known to get_dataset
+# (longctx imports data.py, not this module: no circle).
+from skipkv.eval import longctx  # noqa: F401
 
-
-@dataclass(frozen=True)
-class Example:
-    """One task instance. `task` picks the prompt template and grader family; `inputs` fills the template."""
-
-    id: str
-    task: str
-    inputs: Mapping[str, Any]
-    reference: Any  # str, a list of str (all must appear), or for code the test program
-    meta: Mapping[str, Any] = field(default_factory=dict)  # copied into each record (depth, length, entry_point ...)
-
-
-@dataclass(frozen=True)
-class DataRequest:
-    """Everything a dataset may need to build its examples (file sets ignore the long-context fields).
-
-    The fields other than tokenizer and prompt_style are the user's dataset options (OPTION_KEYS):
-    EvalConfig.dataset_options and the CLI's --source/--data/--lengths/--depths/--per-length/--data-seed."""
-
-    source: str = "local"
-    data: str | None = None  # --data: a JSONL in the packaged schema, or a haystack .txt for long-context sets
-    lengths: tuple[int, ...] = ()  # () = the dataset's default lengths
-    depths: tuple[float, ...] = ()  # niah only; () = default depths
-    per_length: int | None = None  # examples per length (niah: per length x depth cell); None = default
-    seed: int = 0  # data seed of the synthetic generators (not the sampling seed)
-    tokenizer: Any = None  # long-context lengths are counted in this tokenizer's tokens
-    prompt_style: str = "chat"
-
-
-OPTION_KEYS = ("source", "data", "lengths", "depths", "per_length", "seed")
-
-
-def data_request(options: Mapping[str, Any], tokenizer: Any = None, prompt_style: str = "chat") -> DataRequest:
-    """A DataRequest from user options (unknown keys are an error; lists become tuples)."""
-    unknown = sorted(set(options) - set(OPTION_KEYS))
-    if unknown:
-        raise SkipKVError(f"unknown dataset option {unknown[0]!r}; known: {', '.join(OPTION_KEYS)}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
-    return DataRequest(**values, tokenizer=tokenizer, prompt_style=prompt_style)
-
-
-class Dataset(ABC):
-    """A named benchmark. Class attributes say how to prompt, generate and grade it."""
-
-    name: ClassVar[str]
-    grader: ClassVar[str]  # a key of graders.GRADERS
-    max_new_tokens: ClassVar[int]  # default generation length (research/algorithms.md §6.2 for the paper sets)
-    long_context: ClassVar[bool] = False
-    raw_stop: ClassVar[tuple[str, ...]] = ()  # stop strings for the raw style (code completion)
-
-    @abstractmethod
-    def load(self, request: DataRequest) -> list[Example]:
-        """All examples, in a stable order (a --limit takes a prefix of it)."""
-
-    @abstractmethod
-    def identity(self, request: DataRequest) -> dict[str, Any]:
-        """What fixes the data, for config.json: source file and its sha256, or generator parameters."""
-
-
-DATASETS: Registry[type[Dataset]] = Registry("dataset")
-
-
-def packaged(filename: str) -> Path:
-    """Path of a data file shipped inside the package (skipkv/data/)."""
-    path = Path(str(resources.files("skipkv") / "data" / filename))
-    if not path.is_file():
-        raise SkipKVError(f"packaged data file {filename!r} is missing from this install")
-    return path
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for num, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise SkipKVError(f"{path}:{num} is not valid JSON") from None
-    return rows
+# The base types and the registry live in data.py; re-exported here, where callers have always found them.
+from skipkv.eval.data import (  # noqa: F401
+    DATASETS,
+    OPTION_KEYS,
+    SOURCES,
+    DataRequest,
+    Dataset,
+    Example,
+    data_request,
+    packaged,
+    read_jsonl,
+    sha256_file,
+)
 
 
 def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
@@ -268,13 +190,10 @@ class HumanEval(FileDataset):
 
 
 def get_dataset(name: str) -> Dataset:
-    """An instance of the dataset registered as `name` (registers the long-context sets first)."""
-    import skipkv.eval.longctx  # noqa: F401, PLC0415 - its classes register themselves in DATASETS
-
+    """An instance of the dataset registered as `name` (file sets above, long-context sets in longctx.py)."""
     return DATASETS.get(name)()
 
 
 def dataset_names() -> list[str]:
-    import skipkv.eval.longctx  # noqa: F401, PLC0415
-
     return DATASETS.names()
+

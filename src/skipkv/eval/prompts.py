@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Mapping
 from skipkv.errors import SkipKVError
 
 if TYPE_CHECKING:
-    from skipkv.eval.datasets import Example
+    from skipkv.eval.data import Example
 
 STYLES = ("chat", "raw")
 

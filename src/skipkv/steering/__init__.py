@@ -1,4 +1,7 @@
-"""Steering: vector files (build, load) and the per-request gate/coefficient (SEAL, SkipKV §4.2).
+"""Steering: vector files, the residual hook and the per-request gate/coefficient (SEAL, SkipKV §4.2).
+
+This package sits below the policies; building a vector generates text, so the build driver lives above the
+engine, in `skipkv.eval.steering` (`skipkv steer build`).
 
     skipkv steer build --model M --dataset math500 --offset 400 --limit 20 --layers 8,12 --out v.safetensors
 """

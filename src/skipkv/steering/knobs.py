@@ -60,7 +60,7 @@ class SteeringKnobs:
     def steering_hook(self, bundle):
         if not self.steering:
             return None
-        from skipkv.engine.hooks import ResidualAdd  # the engine owns the hook; policies sit below it
+        from skipkv.steering.hook import ResidualAdd
 
         self.check_run(bundle)
         f = SteeringFile.load(self.steering)

@@ -18,7 +18,7 @@ def _layers(text: str) -> list[int]:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from skipkv.steering.build import build
+    from skipkv.eval.steering import build
 
     meta = build(args.model, args.dataset, args.layers, args.out, args.limit, args.offset, args.max_new_tokens,
                  args.prompt_style, args.dtype, args.batch_size)

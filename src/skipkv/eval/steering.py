@@ -18,6 +18,7 @@ non-execution step projects higher than a random execution step) and Fisher rati
 of those projections. `best_layer` = the highest held-out AUC (first listed layer when none is computable).
 
 The ids of the examples used are recorded; `skipkv eval` refuses to evaluate a vector on them.
+It lives in eval, not in `skipkv.steering`, because it drives the engine (steering itself sits below it).
 """
 
 from __future__ import annotations
