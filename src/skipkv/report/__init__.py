@@ -6,12 +6,13 @@
 
 __all__ = ["FORMATS", "build_report"]
 
-# What `skipkv report --format` accepts: print tables, write report.md + PNGs, or both.
-FORMATS: tuple[str, ...] = ("md", "terminal", "both")
-
 
 def __getattr__(name: str):
     # Lazy: `skipkv --help` imports report.cli, which should not pay for matplotlib.
+    if name == "FORMATS":
+        from skipkv.report.tables import FORMATS
+
+        return FORMATS
     if name == "build_report":
         from skipkv.report.build import build_report
 

@@ -10,19 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
-
 from rich.console import Console
 
 from skipkv.errors import SkipKVError
 from skipkv.outputs import check_dir, write_atomic
-from skipkv.report import FORMATS
 from skipkv.report.aggregate import Section, aggregate
 from skipkv.report.plots import Plot, plot_section, slug
 from skipkv.report.runs import Run, load_runs
-from skipkv.report.tables import COLUMN_NOTE, markdown_table, rich_table, section_title
+from skipkv.report.tables import COLUMN_NOTE, Format, markdown_table, rich_table, section_title
 
-Format = Literal["md", "terminal", "both"]  # the values of skipkv.report.FORMATS
 REPORT_FILE = "report.md"
 
 

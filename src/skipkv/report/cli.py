@@ -23,7 +23,7 @@ def _dir(text: str) -> Path:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from skipkv.report import FORMATS
+    from skipkv.report.tables import FORMATS
 
     p = sub.add_parser("report", help="tables and plots from run dirs (reads records; runs no model)",
                        description="Aggregate run dirs (or folders holding them) into a policy x budget table "

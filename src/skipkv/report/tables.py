@@ -7,11 +7,15 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 from rich.table import Table
 
 from skipkv.report.aggregate import Row, Section
+
+# What `skipkv report --format` accepts: print tables, write report.md + PNGs, or both.
+Format = Literal["md", "terminal", "both"]
+FORMATS: tuple[str, ...] = get_args(Format)
 
 def _num(value: float, digits: int) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
