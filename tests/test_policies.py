@@ -13,24 +13,22 @@ from skipkv.engine.runner import ModelRunner
 from skipkv.engine import make_requests
 from skipkv.policies import POLICIES
 
+from skipkv.policies.base import Policy
+
+# Everything below is read from the registry and from what each policy declares: no policy is named here.
 COMPRESSING = [n for n in POLICIES.names() if POLICIES.get(n).compresses]
-# Policies whose layers end at different lengths (model-wide or per-layer budgets): the step-by-step budget
-# check below assumes one length for all layers; tests/test_laprox.py checks them per layer.
-UNIFORM = [n for n in COMPRESSING if n not in ("laprox", "pyramidkv")]
+# Policies whose layers end at different lengths (model-wide, or per-layer budgets via layer_capacity): the
+# step-by-step budget check below assumes one length for all layers; tests/test_laprox.py checks them per layer.
+UNIFORM = [n for n in COMPRESSING
+           if not POLICIES.get(n).model_wide and POLICIES.get(n).layer_capacity is Policy.layer_capacity]
 # Prefill-only policies never compress the short prompts here; tests/test_laprox.py runs them on long ones.
-DECODING = [n for n in COMPRESSING if n != "laprox"]
+DECODING = [n for n in COMPRESSING if {k: d for k, _t, d, _h in POLICIES.get(n).knobs()}["phase"] != "prefill"]
 KNOBS = dict(budget=24, window=4, interval=8)
 
 
 def knobs(name: str) -> dict:
-    k = dict(KNOBS)
-    if name == "streaming_llm":
-        k.update(window=0, sink=4)
-    if name in ("snapkv", "laprox"):
-        k.update(prefill_window=8)
-    if name == "pyramidkv":  # layer budgets 24 and 8 over the tiny model's 2 layers
-        k.update(prefill_window=8, budget=16)
-    return k
+    """The shared knobs, with what the policy declares it needs on the tiny model (`contract_knobs`)."""
+    return {**KNOBS, **POLICIES.get(name).contract_knobs}
 
 
 @pytest.mark.parametrize("name", DECODING)

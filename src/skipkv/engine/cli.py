@@ -169,8 +169,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from skipkv.policies import POLICIES, Policy
+    from skipkv.policies import POLICIES, Policy, markdown_table
 
+    if args.markdown:
+        print(markdown_table(), end="")
+        return 0
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
@@ -192,4 +195,5 @@ def register(sub) -> None:
     g.add_argument("prompt", nargs="*")
     g.set_defaults(func=cmd_generate)
     p = sub.add_parser("policies", help="list KV-cache policies and their knobs")
+    p.add_argument("--markdown", action="store_true", help="print the README's policy table")
     p.set_defaults(func=cmd_policies)

@@ -1,21 +1,34 @@
-"""Registered KV-cache policies. Adding one is one file that registers itself here via `POLICIES.register`.
+"""Registered KV-cache policies. Adding one is one file in this folder that registers itself via
+`POLICIES.register`: every module here (but `base`) is imported below, the CLI, the runner and the contract
+test read the registry, and the README's table is generated from it (`skipkv policies --markdown`).
 
-    skipkv policies          # lists them with their knobs
+    skipkv policies              # lists them with their knobs
+    skipkv policies --markdown   # the README's policy table
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from skipkv.policies.base import Observation, Policy
 from skipkv.registry import Registry
 
 POLICIES: Registry[type[Policy]] = Registry("policy")
 
-# One module per policy; importing it registers the class.
-_MODULES = ("full", "streaming_llm", "h2o", "snapkv", "rkv", "skipkv", "seal", "laprox", "pyramidkv")
-for _m in _MODULES:
-    importlib.import_module(f"skipkv.policies.{_m}")
+# Discovered, not listed: importing a policy module registers its class.
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _info.name != "base" and not _info.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_info.name}")
+
+
+def markdown_table() -> str:
+    """The README's policy table, one row per registered policy (name, paper, what it keeps)."""
+    rows = ["| name | paper | what it keeps |", "|---|---|---|"]
+    for name in POLICIES.names():
+        cls = POLICIES.get(name)
+        rows.append(f"| `{name}` | {cls.paper} | {cls.keeps} |")
+    return "\n".join(rows) + "\n"
 
 
 def make_policy(name: str, **knobs) -> Policy:
@@ -60,4 +73,4 @@ def parse_policy_spec(spec: str, **defaults) -> tuple[str, Policy]:
     return spec.strip(), make_policy(name, **knobs)
 
 
-__all__ = ["POLICIES", "Observation", "Policy", "make_policy", "parse_policy_spec"]
+__all__ = ["POLICIES", "Observation", "Policy", "make_policy", "markdown_table", "parse_policy_spec"]

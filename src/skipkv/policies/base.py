@@ -11,7 +11,7 @@ tensor per layer, of different lengths; the store gives each layer its own capac
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 import torch
 
@@ -53,6 +53,12 @@ class Policy:
     needs: ClassVar[frozenset[str]] = frozenset()
     compresses: ClassVar[bool] = True
     model_wide: ClassVar[bool] = False
+    # The README's row (`skipkv policies --markdown`): the paper, and what the policy keeps.
+    paper: ClassVar[str] = "—"
+    keeps: ClassVar[str] = ""
+    # Knobs the shared contract test (tests/test_policies.py) sets for this policy on its tiny model, over
+    # its defaults (budget 24, window 4, interval 8): what the policy needs to compress there.
+    contract_knobs: ClassVar[Mapping[str, object]] = {}
 
     def __post_init__(self) -> None:
         # Every knob is checked here, once, against the constraints declared beside its default (`knob`);

@@ -16,5 +16,6 @@ from skipkv.policies.base import Policy
 @dataclass(frozen=True)
 class FullKV(Policy):
     """No eviction; the budget knobs are ignored."""
+    keeps = "everything"
 
     compresses: ClassVar[bool] = False

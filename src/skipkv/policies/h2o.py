@@ -28,6 +28,11 @@ from skipkv.scoring import window_logits
 @POLICIES.register("h2o")
 @dataclass(frozen=True)
 class H2O(Policy):
+    paper = "H2O (arXiv 2306.14048)"
+    keeps = ("newest half of the budget (`recent_ratio` 0.5, as in the paper; at least `window`) + tokens with "
+             "the most attention accumulated over all steps (`variant=last_query --recent-ratio 0 --window 1` "
+             "reproduces the R-KV repo's variant)")
+
     variant: str = knob("accumulated", "accumulated attention (paper) or the repos' last-query variant",
                         choices=("accumulated", "last_query"))
     recent_ratio: float = knob(0.5, "fraction of the budget kept as the newest tokens (paper: 0.5; 0 = window)",

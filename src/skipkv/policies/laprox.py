@@ -151,6 +151,12 @@ class _PromptState:
 @POLICIES.register("laprox")
 @dataclass(frozen=True)
 class LaProx(Policy):
+    paper = "LaProx (arXiv 2605.07234)"
+    keeps = ("per layer, each token's norm of attention × value × `o_proj` over the window (heads summed first), "
+             "normalised per layer, then one top-k over all layers (`budget` × layers, or `--budget-ratio` of "
+             "the prompt); prefill only")
+    contract_knobs = {"prefill_window": 8}
+
     budget_ratio: float | None = knob(None, "model-wide budget as a fraction of the prompt (per layer on "
                                       "average); overrides budget", gt=0.0, le=1.0, kind=float)
     prefill_window: int = knob(32, "prompt queries that score the prompt (the newest, kept in every layer)", gt=0)

@@ -33,6 +33,10 @@ from skipkv.scoring import protect_and_select
 @POLICIES.register("pyramidkv")
 @dataclass(frozen=True)
 class PyramidKV(SnapKV):
+    paper = "PyramidKV (arXiv 2406.02069)"
+    keeps = "SnapKV's choice under per-layer budgets shrinking linearly with depth (mean = `budget`)"
+    contract_knobs = {"prefill_window": 8, "budget": 16}  # layer budgets 24 and 8 over the tiny model's 2 layers
+
     beta: float = knob(20.0, "the last layer gets (budget - window) / beta, the first 2x(budget - window) minus that",
                        gt=1.0)
 

@@ -28,6 +28,9 @@ from skipkv.scoring import key_redundancy, window_importance
 @POLICIES.register("rkv")
 @dataclass(frozen=True)
 class RKV(Policy):
+    paper = "R-KV (arXiv 2505.24133)"
+    keeps = "newest `window` + λ·importance − (1−λ)·redundancy, redundancy per request"
+
     mix_lambda: float = knob(0.1, "λ: weight of importance against redundancy", ge=0.0, le=1.0)
     threshold: float = knob(0.5, "key cosine above which a token's newest near-duplicate is spared", ge=-1.0, le=1.0)
     kernel: int = knob(7, "max-pool width over importance (odd)", gt=0, odd=True)

@@ -32,6 +32,10 @@ class SealState:
 @POLICIES.register("seal")
 @dataclass(frozen=True)
 class SEAL(SteeringKnobs, Policy):
+    paper = "SEAL (arXiv 2504.07986)"
+    keeps = ('everything (full cache), steering the residual stream at `"\\n\\n"` tokens away from '
+             "reflection/transition thoughts (`--steering FILE`, required)")
+
     compresses: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

@@ -69,6 +69,11 @@ class SkipKVState:
 @POLICIES.register("skipkv")
 @dataclass(frozen=True)
 class SkipKV(SteeringKnobs, RKV):
+    paper = "SkipKV (arXiv 2512.07993)"
+    keeps = ("R-KV's score minus the similarity of redundant sentences (the earlier of two sentences whose mean "
+             "last-layer hidden states have cosine > `tau`, 0.95): flagged sentences go first, whole; optional "
+             "adaptive steering (`--steering FILE`)")
+
     tau: float = knob(0.95, "cosine above which the earlier of two sentences is flagged redundant", gt=0.0, le=1.0)
     sentence_weight: float = knob(1.0, "scale of the flagged-sentence penalty (1 = reference)", ge=0.0)
     delimiters: str = knob(REFERENCE_DELIMITERS, "sentence delimiter strings (space-separated, Python escapes); "

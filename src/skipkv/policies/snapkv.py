@@ -32,6 +32,12 @@ from skipkv.scoring import causal_window_importance, pool1d, window_importance
 @POLICIES.register("snapkv")
 @dataclass(frozen=True)
 class SnapKV(Policy):
+    paper = "SnapKV (arXiv 2404.14469)"
+    keeps = ("newest `window` + what the observation window attends to (32 queries at prefill, 8 at decode); "
+             "default `variant=rkv` (softmax over the candidates, max pooling, as the R-KV repo); "
+             "`variant=paper` follows SnapKV's code (softmax over all keys, avg pooling counting padding)")
+    contract_knobs = {"prefill_window": 8}
+
     prefill_window: int = knob(32, "prompt queries that score the prompt at prefill (kept whole)", gt=0)
     kernel: int = knob(7, "pooling width over importance (odd)", gt=0, odd=True)
     pooling: str = knob("auto", "1-D pooling over importance (auto: max for variant rkv, avg for paper)",

@@ -21,6 +21,10 @@ from skipkv.policies.base import Observation, Policy
 @POLICIES.register("streaming_llm")
 @dataclass(frozen=True)
 class StreamingLLM(Policy):
+    paper = "StreamingLLM (arXiv 2309.17453)"
+    keeps = "`sink` first tokens + the newest"
+    contract_knobs = {"window": 0, "sink": 4}
+
     sink: int = knob(4, "oldest tokens always kept (attention sinks)", ge=0)
     # Every non-sink slot already goes to the newest tokens.
     window: int = knob(0, "unused: every non-sink slot holds the newest tokens", ge=0)
