@@ -13,7 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
-from skipkv.eval.runner import EvalConfig, run_eval, run_shared
+from skipkv.eval.runner import EvalConfig, run_eval
+from skipkv.eval.shared import run_shared
 
 TIMING = ("seconds", "compress_seconds", "session", "finished_at")
 CELLS = [("full", None, {}), ("streaming_llm", 0.1, {"phase": "prefill"}), ("snapkv", 0.1, {"phase": "prefill"}),

@@ -39,8 +39,8 @@ def test_bench_throughput_json(tmp_path):
 def test_bad_input_fails_before_work(tmp_path, capsys):
     (tmp_path / "afile").write_text("")  # (permission bits do not stop root, so no read-only directory here)
     for args, msg in ((["--workload", "synthetic:12"], "PROMPTxOUTPUT"), (["--kv-memory", "lots"], "size like"),
-                      (["--out", str(tmp_path / "afile" / "x.json")], "not a directory"),
-                      (["--out", str(tmp_path)], "is a directory"), (["--policies", "nope"], "nope"),
+                      (["--out", str(tmp_path / "afile" / "x.json")], "is a file, not a folder"),
+                      (["--out", str(tmp_path)], "is a folder"), (["--policies", "nope"], "nope"),
                       (["--batch-sweep", "1,x"], "batch-sweep")):
         try:
             code = main(["bench", "throughput", "--model", "random:qwen2", *args])

@@ -130,7 +130,8 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
     import shutil
     from pathlib import Path
 
-    from skipkv.eval.runner import run_eval, run_shared
+    from skipkv.eval.runner import run_eval
+    from skipkv.eval.shared import run_shared
 
     def summary(out: str) -> dict:
         return {k: v for k, v in json.loads((Path(out) / "summary.json").read_text()).items() if k != "tokens_per_second"}
@@ -164,7 +165,7 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
 def test_run_shared_refuses_runs_that_cannot_share(tmp_path):
     from dataclasses import replace
 
-    from skipkv.eval.runner import run_shared
+    from skipkv.eval.shared import run_shared
 
     ok = _cell(tmp_path / "a", "snapkv", 0.2)
     b = str(tmp_path / "b")

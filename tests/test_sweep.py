@@ -249,7 +249,7 @@ def test_cli_dry_run_lists_cells(monkeypatch, tmp_path, capsys):
 
 
 def test_cli_runs_cells_and_exits_1_on_a_failed_cell(monkeypatch, tmp_path, capsys):
-    import skipkv.sweep as sweep
+    import skipkv.sweep.run as sweep  # where run_unit finds run_cell
 
     cfg = tmp_path / "s.yaml"
     cfg.write_text(yaml.safe_dump(grid(datasets=["gsm8k"], budget_ratios=None, seeds=[0])))

@@ -8,7 +8,7 @@
     skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 2048,4096 --depths 0,0.5,1 \\
         --policy snapkv --budget-ratio 0.25 --out runs/niah-snapkv
 
-Flags without a value given fall back to EvalConfig's defaults (skipkv/eval/runner.py), which in turn come
+Flags without a value given fall back to EvalConfig's defaults (skipkv/eval/plan.py), which in turn come
 from SamplingParams, EngineConfig, load_model and the dataset class. Policy knobs are built from the policy
 dataclasses (shared with `skipkv generate`).
 """
@@ -81,9 +81,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     from skipkv.engine.cli import add_policy_args, kv_memory_arg
-    from skipkv.eval.sandbox import ISOLATION_LEVELS
     from skipkv.eval.datasets import dataset_names
     from skipkv.eval.prompts import STYLES
+    from skipkv.eval.sandbox import ISOLATION_LEVELS
 
     d = _defaults()
     p = sub.add_parser("eval", help="evaluate a policy on a benchmark (resumable)",

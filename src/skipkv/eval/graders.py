@@ -25,8 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from skipkv.eval.datasets import Example, HumanEval
 from skipkv.config import check_fields, knob
+from skipkv.eval.datasets import Example, HumanEval
 from skipkv.eval.sandbox import ISOLATION_LEVELS, Sandbox, SandboxLimits
 from skipkv.registry import Registry
 

@@ -29,7 +29,15 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
-from skipkv.eval.data import DATASETS, DataRequest, Dataset, Example, packaged, read_jsonl, sha256_file
+from skipkv.eval.data import (
+    DATASETS,
+    DataRequest,
+    Dataset,
+    Example,
+    packaged,
+    read_jsonl,
+    sha256_file,
+)
 
 HAYSTACK = "niah_paul_graham_essays.txt"
 HAYSTACK_INDEX = "niah_paul_graham_essays_index.jsonl"

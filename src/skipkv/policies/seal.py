@@ -20,7 +20,7 @@ from typing import ClassVar
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Policy
-from skipkv.sentences.tracker import TokenTables
+from skipkv.sentences.tracker import TablesByTokenizer
 from skipkv.steering.knobs import SteeringKnobs
 
 
@@ -43,13 +43,10 @@ class SEAL(SteeringKnobs, Policy):
         if not self.steering:
             raise SkipKVError("seal needs a steering vector: --steering FILE (build one with skipkv steer build)")
         self._check_steering_file()
-        object.__setattr__(self, "_tables", {})  # per-tokenizer lookup tables, built once per instance
+        object.__setattr__(self, "_tables", TablesByTokenizer(gate=True))  # built once per instance and tokenizer
 
     def init_state(self, prompt_ids: list[int], tokenizer) -> SealState:
-        key = id(tokenizer)
-        if key not in self._tables:
-            self._tables[key] = (tokenizer, TokenTables.build(tokenizer, gate=True))
-        return SealState(self._steer_state(self._tables[key][1], prompt_ids))
+        return SealState(self._steer_state(self._tables.get(tokenizer), prompt_ids))
 
     def stats(self, state: SealState) -> dict:
         return {"steered_tokens": state.steer.steered}

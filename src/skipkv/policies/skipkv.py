@@ -46,8 +46,8 @@ from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation
 from skipkv.policies.rkv import RKV
 from skipkv.scoring import protect_and_select
-from skipkv.sentences import REFERENCE_DELIMITERS, SentenceTracker, TokenTables, flag_earlier, parse_delimiters, span_penalty
-from skipkv.sentences.tracker import CHECK_WORD_SETS
+from skipkv.sentences import REFERENCE_DELIMITERS, SentenceTracker, flag_earlier, parse_delimiters, span_penalty
+from skipkv.sentences.tracker import CHECK_WORD_SETS, TablesByTokenizer
 from skipkv.steering.gate import SteerState
 from skipkv.steering.knobs import SteeringKnobs
 
@@ -101,18 +101,13 @@ class SkipKV(SteeringKnobs, RKV):
             raise SkipKVError("protect_prompt keeps the whole prompt, so phase prefill would never compress; "
                               "use phase decode or both")
         self._check_steering_file()
-        object.__setattr__(self, "_tables", {})  # per-tokenizer lookup tables, built once per instance
+        object.__setattr__(self, "_tables", TablesByTokenizer(  # built once per instance and tokenizer
+            delimiters=self.delimiters, mode=self.sentence_mode, check_words=self.check_words,
+            gate=bool(self.steering)))
 
     # ------------------------------------------------------------------------------------ per request
-    def _tables_for(self, tokenizer) -> TokenTables:
-        key = id(tokenizer)
-        if key not in self._tables:  # keep the tokenizer referenced so its id is not reused
-            self._tables[key] = (tokenizer, TokenTables.build(tokenizer, self.delimiters, self.sentence_mode,
-                                                              self.check_words, gate=bool(self.steering)))
-        return self._tables[key][1]
-
     def init_state(self, prompt_ids: list[int], tokenizer) -> SkipKVState:
-        tables = self._tables_for(tokenizer)
+        tables = self._tables.get(tokenizer)
         return SkipKVState(len(prompt_ids), SentenceTracker(tables), self._steer_state(tables, prompt_ids))
 
     def observe(self, state: SkipKVState, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:

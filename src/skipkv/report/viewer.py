@@ -27,7 +27,7 @@ from typing import Any
 from skipkv.engine.trace import decode_evicted
 from skipkv.errors import SkipKVError
 from skipkv.eval.records import read_traces
-from skipkv.eval.runner import TRACES_FILE
+from skipkv.eval.rundir import TRACES_FILE
 from skipkv.report.runs import Run, is_run_dir, load_run
 
 

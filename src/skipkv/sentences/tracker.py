@@ -29,6 +29,7 @@ from __future__ import annotations
 import codecs
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -131,6 +132,22 @@ class TokenTables:
     def is_check_text(self, ids: list[int]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return self.check.search(text) is not None
+
+
+class TablesByTokenizer:
+    """TokenTables per tokenizer with fixed build arguments, built on first use: what one policy instance
+    shares among its requests (SkipKV, SEAL). An entry holds its tokenizer, so the id it is keyed by is not
+    reused while it lives."""
+
+    def __init__(self, **build_args: Any) -> None:
+        self.build_args = build_args
+        self._by_id: dict[int, TokenTables] = {}
+
+    def get(self, tokenizer) -> TokenTables:
+        tables = self._by_id.get(id(tokenizer))
+        if tables is None:
+            tables = self._by_id[id(tokenizer)] = TokenTables.build(tokenizer, **self.build_args)
+        return tables
 
 
 class SentenceTracker:

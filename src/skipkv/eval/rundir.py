@@ -1,0 +1,243 @@
+"""The run directory of `skipkv eval`: its files, what makes two runs the same, its lock, its summary.
+
+    python -c "import json; from skipkv.eval.rundir import summarize; print(summarize([]))"
+
+The runner (eval/runner.py) and shared-prefill runs (eval/shared.py) write run dirs through this module;
+the report reads them. A run directory holds three files.
+
+config.json — the resolved run. Keys that change results (IDENTITY_KEYS) are compared when the same
+directory is used again; any difference is a SkipKVError, so one directory never mixes two setups:
+  model, dtype, device           the model as loaded
+  dataset                        {name, grader, source/file/sha256 or generator parameters (lengths, depths, seed ...)}
+  prompt_style                   "chat" | "raw"
+  policy                         {name, budget, window, sink, interval, phase, + the policy's own knobs}
+                                 (budget is null when it is set per prompt, see budget_mode)
+  budget_mode                    "tokens" (given), "reference" (ratio x a full-cache run's mean generation
+                                 length, the SkipKV/R-KV definition) or "prompt_length" (long-context sets
+                                 without a reference: ratio x the example's nominal length in tokens)
+  budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
+  sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
+  grader                         {name, + its settings}
+  engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
+                                 16-bit dtypes, see below)
+Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
+--samples extends a run, and in fp32/fp64 batch size does not change tokens (the engine's batch == singles
+invariant; in bf16/fp16 a padded row rounds differently, so there batch_size is compared) —
+and environment {git_revision, git_dirty, versions, machine, created}.
+
+records.jsonl — one JSON object per finished (id, sample), appended, flushed and fsynced as it finishes:
+  id, sample, seed               example id, sample index (0..samples-1), the sampling seed it used
+  prompt, output                 the exact prompt text and the generated text
+  reference, extracted           the reference answer(s) (code: the test program) and what the grader read
+  correct, score, grade_detail   bool; float in [0, 1] (fraction of references found, else 0/1); a short note
+  generated_tokens, prompt_tokens, peak_kv_tokens, peak_kv_bytes (peaks at any moment, a long prompt's
+  staging before its compression included), decode_peak_kv_tokens, decode_peak_kv_bytes (peaks over decode
+  steps only), compressions, compress_seconds, seconds
+  finish_reason                  "eos" | "length" | "stop"
+  layer_kv_tokens                entries each layer held at the end (differ per layer under LaProx / PyramidKV)
+  sandbox                        code tasks: the isolation level that ran the program ("namespaces" | "unsafe-basic")
+  + policy stats, flat           what the policy reports per request (Policy.stats), e.g. sentences,
+                                 check_sentences, flagged_sentences (skipkv), steered_tokens (with steering)
+  budget                         the KV budget this request ran under (null for a policy that keeps everything)
+  session, finished_at           unix time the generating process started generating / this record finished
+  + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
+A killed run loses at most the requests in flight; re-running the same command skips finished pairs.
+
+traces.jsonl — only with --trace (EvalConfig.trace): one line {id, sample, trace} per traced record, written
+just before the record (whose `trace` key then names this file); the trace (engine/trace.py) is what
+`skipkv show` draws. Lines left by a crash between the two writes are dropped when the run resumes.
+
+summary.json — over all records in the directory:
+  n (records), n_examples, samples (most samples of one example), complete (every selected pair done)
+  accuracy                       pass@1: per example the mean of `correct` over its samples, then the mean
+  score                          the same average of `score`
+  mean_generated_tokens, mean_prompt_tokens, mean_peak_kv_tokens, peak_kv_tokens,
+  mean_peak_kv_bytes, peak_kv_bytes, mean_decode_peak_kv_tokens, mean_decode_peak_kv_bytes,
+  mean_compressions, finish_reasons {reason: count}
+  tokens_per_second              generated tokens / generation wall time, summed over sessions
+  by                             {meta key: {value: accuracy}} for length and depth, when examples have them
+  sandbox                        code tasks: the isolation level of the records (a list if they differ)
+  dataset, model, policy, budget, budget_ratio
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from skipkv.errors import SkipKVError
+from skipkv.eval.data import Example
+from skipkv.outputs import check_dir, write_atomic
+
+CONFIG_FILE, RECORDS_FILE, SUMMARY_FILE, LOCK_FILE = "config.json", "records.jsonl", "summary.json", ".lock"
+TRACES_FILE = "traces.jsonl"
+IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy", "budget_mode", "budget_ratio",
+                 "budget_reference", "sampling", "grader", "engine")
+CORE_RECORD_KEYS = frozenset({
+    "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
+    "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
+    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at",
+    "layer_kv_tokens", "sandbox", "trace"})
+GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
+CONFIG_VERSION = 1
+
+
+def jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key} ({json.dumps(a)[:40]} -> {json.dumps(b)[:40]})")
+    return diffs
+
+
+def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
+    path = out / CONFIG_FILE
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            raise SkipKVError(f"{path} is not valid JSON; use another --out") from None
+        diffs = _differences({k: old.get(k, "<absent>") for k in IDENTITY_KEYS},
+                             {k: config[k] for k in IDENTITY_KEYS})
+        if diffs:
+            more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+            raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
+        return
+    write_json(path, config)
+
+
+def check_run_dir(path: str) -> Path:
+    """The run directory: a usable folder that is a run of ours, or holds none of our files yet (so a run
+    never overwrites a records.jsonl or summary.json it did not write)."""
+    out = check_dir(path, "--out")
+    if out.is_dir() and not (out / CONFIG_FILE).exists():
+        theirs = [name for name in (RECORDS_FILE, SUMMARY_FILE) if (out / name).exists()]
+        if theirs:
+            raise SkipKVError(f"{out} has {theirs[0]} but no config.json (not a run dir of skipkv eval); "
+                              "use another --out")
+    return out
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomic: a reader sees the old file or the new one, never half of one."""
+    write_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold the run dir's lock; a run refused before it wrote config.json also removes the lock file."""
+    path = out / LOCK_FILE
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SkipKVError(f"another skipkv eval is writing to {out}") from None
+        # A refused run unlinks the lock file: a process that opened it just before holds a lock on a
+        # file no longer there, so the lock only counts if the path still names the file we locked.
+        if not path.exists() or os.stat(path).st_ino != os.fstat(lock.fileno()).st_ino:
+            raise SkipKVError(f"another skipkv eval is writing to {out}")
+        try:
+            yield
+        except BaseException:
+            if not (out / CONFIG_FILE).exists():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
+
+
+
+# ------------------------------------------------------------------------------------------- summary
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary.json metrics (see the module docstring) over `records`."""
+    if not records:
+        return {"n": 0, "n_examples": 0}
+    by_example: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_example[str(r["id"])].append(r)
+
+    def pass1(rs: list[dict[str, Any]], key: str = "correct") -> float:
+        groups: dict[str, list[float]] = defaultdict(list)
+        for r in rs:
+            groups[str(r["id"])].append(float(r[key]))
+        return sum(sum(v) / len(v) for v in groups.values()) / len(groups)
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in records) / len(records)
+
+    sessions: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        sessions[r.get("session")].append(r)
+    wall = sum(max(float(r["finished_at"]) for r in rs) - float(s) for s, rs in sessions.items() if s is not None)
+    timed = sum(int(r["generated_tokens"]) for s, rs in sessions.items() if s is not None for r in rs)
+    by: dict[str, dict[str, float]] = {}
+    for key in GROUP_KEYS:
+        values = sorted({r[key] for r in records if key in r})
+        if len(values) > 1:
+            by[key] = {str(v): pass1([r for r in records if r.get(key) == v]) for v in values}
+    return {
+        "n": len(records), "n_examples": len(by_example), "samples": max(len(v) for v in by_example.values()),
+        "accuracy": pass1(records), "score": pass1(records, "score"),
+        "mean_generated_tokens": mean("generated_tokens"), "mean_prompt_tokens": mean("prompt_tokens"),
+        "mean_peak_kv_tokens": mean("peak_kv_tokens"), "peak_kv_tokens": max(int(r["peak_kv_tokens"]) for r in records),
+        "mean_peak_kv_bytes": mean("peak_kv_bytes"), "peak_kv_bytes": max(int(r["peak_kv_bytes"]) for r in records),
+        # Peaks over decode steps only (after a long prompt's staging and compression): the steady state.
+        "mean_decode_peak_kv_tokens": mean("decode_peak_kv_tokens"),
+        "mean_decode_peak_kv_bytes": mean("decode_peak_kv_bytes"),
+        "mean_compressions": mean("compressions"),
+        "finish_reasons": dict(Counter(str(r["finish_reason"]) for r in records)),
+        "tokens_per_second": timed / wall if wall > 0 else None,
+        "by": by,
+    }
+
+
+
+@dataclass(frozen=True)
+class Job:
+    """One (example, sample) to generate: the rendered prompt and the budget it runs under."""
+
+    example: Example
+    sample: int
+    prompt: str
+    prompt_ids: list[int]
+    budget: int | None
+
+
+def make_record(job: Job, result: Any, verdict: Any, seed: int, session: float) -> dict[str, Any]:
+    """The records.jsonl line of one finished job (see the module docstring)."""
+    record = {
+        "id": job.example.id, "sample": job.sample, "seed": seed,
+        "prompt": job.prompt, "output": result.text, "reference": job.example.reference,
+        "extracted": verdict.extracted, "correct": verdict.correct, "score": verdict.score,
+        "grade_detail": verdict.detail, "generated_tokens": result.generated_tokens,
+        "prompt_tokens": result.prompt_tokens, "peak_kv_tokens": result.peak_kv_tokens,
+        "peak_kv_bytes": result.peak_kv_bytes, "decode_peak_kv_tokens": result.decode_peak_kv_tokens,
+        "decode_peak_kv_bytes": result.decode_peak_kv_bytes, "compressions": result.compressions,
+        "compress_seconds": result.compress_seconds, "seconds": result.seconds,
+        "finish_reason": result.finish_reason, "budget": job.budget, "session": session,
+        "layer_kv_tokens": result.layer_kv_tokens,
+        "finished_at": time.time(),
+    }
+    clash = CORE_RECORD_KEYS & (set(job.example.meta) | set(result.extra))
+    if clash:
+        raise SkipKVError(f"example meta or policy stat {sorted(clash)[0]!r} clashes with a record field")
+    record.update(result.extra)  # the policy's per-request figures, e.g. flagged_sentences
+    if verdict.sandbox is not None:
+        record["sandbox"] = verdict.sandbox  # the isolation level that ran this record's code
+    record.update(job.example.meta)
+    return record
+
+
