@@ -25,6 +25,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-space-gib", type=float, help="VLLM_CPU_KVCACHE_SPACE (default: vLLM's)")
     ap.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs (default: vLLM's)")
+    # On the CPU backend this is the share of the machine's memory vLLM checks is free at start (default 0.92):
+    # on a machine where other jobs hold memory its default refuses to start, so it is lowered; the KV space
+    # itself is VLLM_CPU_KVCACHE_SPACE.
+    ap.add_argument("--memory-utilization", type=float, default=0.3)
     args = ap.parse_args()
     if args.kv_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
@@ -35,6 +39,7 @@ def main() -> None:
     spec = json.loads(open(args.workload).read())
     t0 = time.perf_counter()
     kwargs = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    kwargs["gpu_memory_utilization"] = args.memory_utilization
     llm = LLM(model=spec["model_dir"], dtype=args.dtype, seed=0, **kwargs)
     load_s = time.perf_counter() - t0
     greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -63,7 +68,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     generated = sum(tokens.values())
     print(json.dumps({"engine": "vllm", "vllm": vllm.__version__, "torch": torch.__version__, "dtype": args.dtype,
-                      "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"), "threads": torch.get_num_threads(),
+                      "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                      "memory_utilization": args.memory_utilization, "threads": torch.get_num_threads(),
                       "load_s": round(load_s, 1), "tokens_per_s": generated / wall, "generated_tokens": generated,
                       "wall_s": wall, "max_batch": max_batch, "finished": finished, "steps": steps}))
     os._exit(0)  # vLLM's engine-core process and threads can keep a clean exit waiting
