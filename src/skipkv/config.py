@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from skipkv.errors import SkipKVError
 
@@ -15,7 +16,7 @@ def knob(default, help: str = "", *, ge=None, gt=None, le=None, lt=None, choices
 
     kind: for an optional field (default None), the type a value other than None must have (int, float, str).
     """
-    meta = {"help": help}
+    meta: dict[str, Any] = {"help": help}
     if kind is not None:
         meta["kind"] = kind
     for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("choices", choices)):

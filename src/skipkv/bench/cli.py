@@ -48,7 +48,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {args.budget_ratio}")
     if args.examples <= 0 or args.window <= 0:
         raise SkipKVError("--examples and --window must be positive")
-    run_fidelity(args.model, args.dataset, _ints(args.lengths), policies, args.budget_ratio, args.examples,
+    run_fidelity(args.model, args.dataset, list(_ints(args.lengths)), policies, args.budget_ratio, args.examples,
                  args.window, args.dtype, args.out)
     return 0
 

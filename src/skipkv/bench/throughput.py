@@ -130,6 +130,7 @@ def run_engine(bundle, policy, work: Workload, config: EngineConfig, name: str,
                     ttft.append(now - t0)  # every request was submitted at t0
                 last[rid] = now
             s = out.stats
+            assert s is not None  # every step reports the engine's stats
             max_batch = max(max_batch, s.running)
             peak_alloc = max(peak_alloc, s.kv_allocated_bytes)
             peak_held = max(peak_held, s.kv_held_bytes)
@@ -209,7 +210,7 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
     engine_cfg = EngineConfig(batch_size=batch_size or requests, prefill_chunk=prefill_chunk,
                               prefill_budget=prefill_budget, kv_memory=kv_memory)
     if bundle is None:
-        bundle = load_model(model, dtype=dtype, **({"device": device} if device else {}))
+        bundle = load_model(model, dtype=dtype, device=device or "cpu")
     work = make_workload(workload, bundle, requests, seed, max_new_tokens)
     # Warm-up (kernels, allocator, first-call paths) so the first policy measured is not penalised.
     run_engine(bundle, next(iter(made.values())), Workload("warmup", [p[:16] for p in work.prompts[:2]],
@@ -255,12 +256,12 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
     rep.table = format_table(rep)
     print(rep.table)
     if out:
-        path = check_file(out, "--out")  # again: the place may have changed while the benchmark ran
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(asdict(rep), indent=2))
+        json_path = check_file(out, "--out")  # again: the place may have changed while the benchmark ran
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(json_path, json.dumps(asdict(rep), indent=2))
     if plot_path or out:
-        path = check_file(plot_path or Path(str(out)).with_suffix(".png"), "--out")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        plot(rep, path)
-        print(f"wrote {out or ''} {path}".strip())
+        png_path = check_file(plot_path or Path(str(out)).with_suffix(".png"), "--out")
+        png_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(rep, png_path)
+        print(f"wrote {out or ''} {png_path}".strip())
     return rep

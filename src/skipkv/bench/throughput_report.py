@@ -147,7 +147,7 @@ def plot(rep: Report, path: Path) -> None:
             ax.plot([p.batch for p in pts], [p.tokens_per_s for p in pts], marker="o", color=f"C{i}", label=name)
             hf = [p for p in pts if p.hf_tokens_per_s]
             if hf and i == 0:
-                ax.plot([p.batch for p in hf], [p.hf_tokens_per_s for p in hf], marker="x", linestyle="--",
+                ax.plot([p.batch for p in hf], [p.hf_tokens_per_s or 0.0 for p in hf], marker="x", linestyle="--",
                         color="gray", label="transformers generate")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (no memory cap)")

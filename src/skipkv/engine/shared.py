@@ -91,6 +91,7 @@ def branch(bundle, full: ModelRunner, policy: Policy, ids: list[int], sampling: 
     run.store = full.store.copy(aux=run.store.aux_names)  # the accumulators this policy reads, no others
     run.cache = SlotCache(run.store)
     if run.queries is not None:
+        assert full.queries is not None  # the full run buffers queries whenever a policy does
         run.queries = full.queries.narrowed(policy.query_window)
     [req] = make_requests(bundle, [ids], sampling, policy)
     run._prepare([req])

@@ -58,7 +58,7 @@ def data_request(options: Mapping[str, Any], tokenizer: Any = None, prompt_style
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
         raise SkipKVError(f"unknown dataset option {unknown[0]!r}; known: {', '.join(OPTION_KEYS)}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
     return DataRequest(**values, tokenizer=tokenizer, prompt_style=prompt_style)
 
 

@@ -13,6 +13,7 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -29,8 +30,10 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 class ModelBundle:
     """A loaded model with what the engine needs to drive it."""
 
-    model: torch.nn.Module  # an HF *ForCausalLM
-    tokenizer: object  # an HF tokenizer
+    # transformers' classes: an HF *ForCausalLM and an HF tokenizer (Any: their attributes are read by name,
+    # e.g. model.model.layers, tokenizer.apply_chat_template, which their annotations do not describe)
+    model: Any
+    tokenizer: Any
     name: str
     family: str
     dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
@@ -211,7 +214,7 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     check_attention_layout(config, name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise SkipKVError(f"cannot load model {name!r}: {str(exc).splitlines()[0][:200]}") from None
-    return ModelBundle(model.to(device).eval(), tokenizer, name, family, choice)
+    return ModelBundle(hf_model.to(device).eval(), tokenizer, name, family, choice)

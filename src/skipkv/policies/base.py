@@ -11,7 +11,7 @@ tensor per layer, of different lengths; the store gives each layer its own capac
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -32,7 +32,7 @@ class Observation:
     positions: torch.Tensor  # [b, H, n] true positions (int32)
     queries: torch.Tensor | None  # [b, Hq, w, D] newest w queries (w = policy.query_window), if "queries" in needs
     attn: torch.Tensor | None  # [b, H, n] attention accumulated since each entry arrived, if "attn" in needs
-    module: torch.nn.Module  # the HF attention module of this layer (o_proj for output-aware scores)
+    module: Any  # the HF attention module of this layer (o_proj, config: attributes read by name)
     is_prefill: bool
     states: list | None = None  # per-request policy state (see Policy.init_state), one per row
 

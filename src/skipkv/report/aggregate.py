@@ -111,7 +111,7 @@ def per_example_scores(runs_records: Sequence[Sequence[dict[str, Any]]]) -> list
     return per_example
 
 
-def summarize(runs_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, float]:
+def summarize(runs_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
     """The row metrics over the records of one or more runs (the numbers behind one table row)."""
     records = [r for recs in runs_records for r in recs]
     kv_tokens = _values(records, "peak_kv_tokens")

@@ -75,7 +75,8 @@ def _main(args: argparse.Namespace) -> int:
         res = ray_resources(raw)
         if args.num_cpus is not None:
             res["num_cpus"] = args.num_cpus
-        results = run_ray(units, fn=run_unit, address=args.ray or None, on_done=on_done, **res)
+        results = run_ray(units, fn=run_unit, address=args.ray or None, on_done=on_done,
+                          num_cpus=res["num_cpus"], num_gpus=res["num_gpus"])
     results = expand_results(units, results)
     failed = [r for r in results if not r.ok]
     console.print(f"{len(results) - len(failed)}/{len(results)} cells finished", highlight=False)
