@@ -48,12 +48,14 @@ def test_bad_input_one_line_exit_2(case, capsys):
 
 def test_json_output(capsys):
     code, out, err = run(["generate", "--model", "random:qwen2", "--policy", "rkv", "--budget", "16", "--interval", "4",
-                          "--window", "4", "--max-new-tokens", "30", "--ignore-eos", "--json", "--raw", "a", "a bit longer"], capsys)
+                          "--window", "4", "--max-new-tokens", "30", "--ignore-eos", "--json", "--raw", "a",
+                          "a bit longer"], capsys)
     assert code == 0, err
     rows = [json.loads(line) for line in out.strip().splitlines()]
     assert sorted(r["index"] for r in rows) == [0, 1]
     for r in rows:
-        assert {"text", "prompt_tokens", "generated_tokens", "peak_kv_tokens", "peak_kv_bytes", "compressions"} <= set(r)
+        assert {"text", "prompt_tokens", "generated_tokens", "peak_kv_tokens", "peak_kv_bytes",
+                "compressions"} <= set(r)
         assert r["generated_tokens"] == 30 and r["peak_kv_tokens"] <= 20 and r["compressions"] >= 1
 
 
@@ -68,7 +70,8 @@ def test_real_exit_code_from_a_subprocess(tmp_path):
 def test_prompts_file(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "one"}\n"two"\n')
-    code, out, _ = run(["generate", "--model", "random:qwen2", "--max-new-tokens", "3", "--json", "--prompts", str(f)], capsys)
+    code, out, _ = run(["generate", "--model", "random:qwen2", "--max-new-tokens", "3", "--json", "--prompts", str(f)],
+                       capsys)
     assert code == 0 and len(out.strip().splitlines()) == 2
     f.write_text('{"nope": 1}\n')
     code, _, err = run(["generate", "--model", "random:qwen2", "--prompts", str(f)], capsys)

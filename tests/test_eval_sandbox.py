@@ -321,7 +321,7 @@ def test_no_silent_downgrade(monkeypatch) -> None:
     real_which = sb.shutil.which
     monkeypatch.setattr(sb.shutil, "which", lambda t: None if t == "pivot_root" else real_which(t))
     with pytest.raises(SkipKVError, match="unavailable.*unsafe-basic"):
-        Sandbox().isolation
+        _ = Sandbox().isolation
     with pytest.raises(SkipKVError, match="unavailable"):
         CodeGrader().ready()
     assert CodeGrader(isolation="unsafe-basic").sandbox().isolation == "unsafe-basic"  # asked for by name

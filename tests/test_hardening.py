@@ -71,7 +71,8 @@ def test_budget_ratio_range_and_cross_field_rules(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kw, word", [
-    ({"batch_size": 0}, "batch_size"), ({"batch_size": 10**10}, "batch_size"), ({"span": 0}, "span"), ({"lengths": (1, 8)}, "lengths"),
+    ({"batch_size": 0}, "batch_size"), ({"batch_size": 10**10}, "batch_size"), ({"span": 0}, "span"),
+    ({"lengths": (1, 8)}, "lengths"),
     ({"lengths": ()}, "lengths"), ({"budget": -1}, "budget"), ({"interval": 0}, "interval"),
     ({"policies": ("nope",)}, "nope"), ({"policies": ()}, "policy"), ({"window": -1}, "window"),
     ({"dtype": "int3"}, "dtype"),

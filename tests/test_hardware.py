@@ -46,7 +46,9 @@ def test_proc_cpuinfo_when_torch_has_no_check(monkeypatch, tmp_path, flags, expe
 
     class FakeCpuinfo(type(real_path())):
         def read_text(self, *a, **k):
-            return f"model name\t: Some CPU\nflags\t\t: {flags}\n" if str(self) == "/proc/cpuinfo" else super().read_text(*a, **k)
+            if str(self) == "/proc/cpuinfo":
+                return f"model name\t: Some CPU\nflags\t\t: {flags}\n"
+            return super().read_text(*a, **k)
 
     monkeypatch.setattr(hardware, "Path", FakeCpuinfo)
     choice = hardware.choose_dtype("cpu")

@@ -147,7 +147,8 @@ def test_h2o_last_query_score():
     for bi in range(b):
         for h in range(H):
             want = softmax(logits(obs, bi, h, range(1), range(n))[0])
-            torch.testing.assert_close(got[bi, h].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(got[bi, h].double(), torch.tensor(want, dtype=torch.float64),
+                                       rtol=1e-5, atol=1e-8)
             assert pol.select(obs)[bi, h].tolist() == naive_select(want, 10, 1, 0)
 
 
@@ -188,7 +189,8 @@ def test_causal_window_importance():
             rows = [[x if j < n - w or j - (n - w) <= i else float("-inf") for j, x in enumerate(r)]
                     for i, r in enumerate(rows)]
             want = [sum(softmax(r)[j] for r in rows) / w for j in range(n - w)]
-            torch.testing.assert_close(got[bi, h].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(got[bi, h].double(), torch.tensor(want, dtype=torch.float64),
+                                       rtol=1e-5, atol=1e-8)
 
 
 # ------------------------------------------------------------------------------------------ store accumulators

@@ -25,7 +25,8 @@ def real():
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_bf16_full_cache_equals_hf_generate(real, impl):
     q = "Janet has 16 eggs, eats 3 and bakes with 4. She sells the rest at $2 each. How much does she make?"
-    text = real.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+    text = real.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True)
     ours = generate(real, [text], SamplingParams(max_new_tokens=120, ignore_eos=True), make_policy("full"))[0].token_ids
     ids = torch.tensor([encode_prompt(real.tokenizer, text)])
     previous = real.model.config._attn_implementation

@@ -75,7 +75,8 @@ def ref_redundancy(k, thr):
 @pytest.mark.parametrize("reduce", ["max", "mean"])
 def test_window_logits(reduce):
     q, k = torch.randn(2, 4, 3, 5), torch.randn(2, 2, 7, 5)
-    torch.testing.assert_close(window_logits(q, k, reduce).double(), ref_window_logits(q, k, reduce), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(window_logits(q, k, reduce).double(), ref_window_logits(q, k, reduce),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])

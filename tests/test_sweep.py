@@ -314,5 +314,8 @@ def test_cli_share_prefill_runs_a_group(monkeypatch, tmp_path, capsys):
         assert (tmp_path / "o" / "niah" / name / "summary.json").exists()
     import json
 
-    assert json.loads((tmp_path / "o" / "niah" / "laprox-r0.2" / "config.json").read_text())["execution"]["shared_prefill"]
-    assert "shared_prefill" not in json.loads((tmp_path / "o" / "niah" / "skipkv-r0.2" / "config.json").read_text())["execution"]
+    def execution(cell: str) -> dict:
+        return json.loads((tmp_path / "o" / "niah" / cell / "config.json").read_text())["execution"]
+
+    assert execution("laprox-r0.2")["shared_prefill"]
+    assert "shared_prefill" not in execution("skipkv-r0.2")

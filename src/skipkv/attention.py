@@ -46,7 +46,8 @@ class QueryBuffer:
             if layer == 0:
                 self.qpos[rows, ring] = positions[:, 0]
             return
-        t = to_device(real, q.device)[:, None] - W + torch.arange(W, device=q.device)  # [B, W] token index in this chunk
+        # [B, W] token index in this chunk
+        t = to_device(real, q.device)[:, None] - W + torch.arange(W, device=q.device)
         valid = t >= 0
         t = t.clamp(min=0)
         rows = torch.arange(B, device=q.device)[:, None].expand(B, W)[valid]
@@ -168,7 +169,8 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     # differently from transformers' per-head one, and greedy outputs drifted apart after ~90 tokens.
     G = Hq // H
     scale = scaling if scaling is not None else D**-0.5
-    logits = torch.matmul(query.reshape(B, H, G * T, D).float(), key.float().transpose(-1, -2)) * scale  # [B, H, G*T, K]
+    # [B, H, G*T, K]
+    logits = torch.matmul(query.reshape(B, H, G * T, D).float(), key.float().transpose(-1, -2)) * scale
     logits = logits.view(B, H, G, T, K)
     if mask is not None:  # None: every key is visible to every query
         logits = logits.masked_fill(~mask[:, :, None], float("-inf"))

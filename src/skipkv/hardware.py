@@ -49,7 +49,8 @@ class DtypeChoice:
 
 
 def _torch_check(name: str) -> bool | None:
-    """One of torch's CPU capability checks (`torch.cpu._is_avx512_bf16_supported`, ...); None if this torch lacks it."""
+    """One of torch's CPU capability checks (`torch.cpu._is_avx512_bf16_supported`, ...); None if this torch
+    lacks it."""
     fn = getattr(torch.cpu, name, None)
     if fn is None:
         return None

@@ -15,6 +15,9 @@ from skipkv.errors import SkipKVError
 from skipkv.hardware import set_threads
 
 
+DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -117,7 +120,7 @@ def register(sub) -> None:
     d.add_argument("--interval", type=int, default=128)
     d.add_argument("--window", type=int, default=8)
     d.add_argument("--batch-size", type=int, default=1)
-    d.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    d.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     d.add_argument("--span", type=int, default=64, help="steps before each length whose median is reported")
     d.add_argument("--out", help="write the JSON report here")
@@ -131,7 +134,7 @@ def register(sub) -> None:
     f.add_argument("--budget-ratio", type=float, default=0.1, help="budget per layer as a fraction of the prompt")
     f.add_argument("--examples", type=int, default=1, help="examples per length (niah: the first depths)")
     f.add_argument("--window", type=int, default=32, help="observation queries compared (the last prompt tokens)")
-    f.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    f.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     f.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     f.add_argument("--out", help="write the JSON report here (and a PNG plot beside it)")
     f.set_defaults(func=cmd_fidelity)
@@ -150,7 +153,7 @@ def register(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
     t.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per request per step (0 = whole)")
     t.add_argument("--prefill-budget", type=int, default=0, help="prompt tokens per step at most (0 = no limit)")
-    t.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    t.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     t.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     t.add_argument("--device", help="cpu, cuda (default: the loader's)")
     t.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")

@@ -84,7 +84,8 @@ class _Lane:
         return run
 
 
-def bench_policies(bundle, policies: list, prompt: str, lengths: list[int], batch_size: int, span: int) -> list[PolicyRun]:
+def bench_policies(bundle, policies: list, prompt: str, lengths: list[int], batch_size: int,
+                   span: int) -> list[PolicyRun]:
     """Decode every policy's requests in lockstep (one step of each in turn), so that load from elsewhere on a
     shared machine hits all policies alike and their ratios stay meaningful."""
     total = max(lengths)
@@ -99,13 +100,15 @@ def bench_policies(bundle, policies: list, prompt: str, lengths: list[int], batc
 
 
 def format_table(runs: list[PolicyRun], lengths: list[int]) -> str:
-    head = "| policy | " + " | ".join(f"step ms @{L}" for L in lengths) + " | KV entries @max | peak KV MiB | compress share | tok/s |"
+    head = ("| policy | " + " | ".join(f"step ms @{L}" for L in lengths)
+            + " | KV entries @max | peak KV MiB | compress share | tok/s |")
     sep = "|" + "---|" * (len(lengths) + 5)
     rows = [head, sep]
     for r in runs:
         share = r.compress_s / r.decode_s if r.decode_s else 0.0
-        rows.append(f"| {r.policy} | " + " | ".join("n/a" if r.step_ms[L] is None else f"{r.step_ms[L]:.1f}" for L in lengths)
-                    + f" | {r.kv_tokens[max(lengths)]} | {r.peak_kv_bytes / 2**20:.1f} | {100 * share:.1f}% | {r.tokens_per_s:.2f} |")
+        steps = " | ".join("n/a" if r.step_ms[L] is None else f"{r.step_ms[L]:.1f}" for L in lengths)
+        rows.append(f"| {r.policy} | {steps} | {r.kv_tokens[max(lengths)]} | {r.peak_kv_bytes / 2**20:.1f} | "
+                    f"{100 * share:.1f}% | {r.tokens_per_s:.2f} |")
     return "\n".join(rows)
 
 
@@ -156,7 +159,8 @@ def run_bench(cfg: DecodeBenchConfig) -> dict:
     runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span)
     table = format_table(runs, lengths)
     print(table)
-    report = {"model": cfg.model, "dtype": str(bundle.dtype).removeprefix("torch."), "batch_size": cfg.batch_size, "budget": cfg.budget,
+    report = {"model": cfg.model, "dtype": str(bundle.dtype).removeprefix("torch."), "batch_size": cfg.batch_size,
+              "budget": cfg.budget,
               "interval": cfg.interval, "window": cfg.window, "lengths": lengths, "span": cfg.span,
               "machine": environment(bundle.dtype_choice), "runs": [r.__dict__ for r in runs], "table": table}
     if cfg.out:

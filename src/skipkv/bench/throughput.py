@@ -89,7 +89,8 @@ def make_workload(spec: str, bundle, n: int, seed: int = 0, max_new_tokens: int 
     examples = dataset.load(data_request({}, bundle.tokenizer, style))[:n]
     if len(examples) < n:
         raise SkipKVError(f"gsm8k has {len(examples)} examples; asked for {n} requests")
-    ids = [eval_prompts.encode(bundle.tokenizer, eval_prompts.render(bundle.tokenizer, ex, style), style) for ex in examples]
+    tok = bundle.tokenizer
+    ids = [eval_prompts.encode(tok, eval_prompts.render(tok, ex, style), style) for ex in examples]
     stop = dataset.raw_stop if style == "raw" else ()
     sp = SamplingParams(max_new_tokens=max_new_tokens or dataset.max_new_tokens, stop=stop)
     return Workload(spec, ids, [sp] * n)

@@ -93,8 +93,8 @@ def format_table(rep: Report) -> str:
     if rep.policies:
         cap = human_bytes(rep.kv_memory) if rep.kv_memory else "none"
         lines += [f"{rep.workload}, {rep.requests} requests, KV memory cap {cap}", "",
-                  "| policy | tokens/s | requests/s | batch reached | saturates at | peak KV alloc MiB | peak KV held MiB "
-                  "| TTFT p50 s | TPOT p50 ms | TPOT p99 ms | compress share |", "|" + "---|" * 11]
+                  "| policy | tokens/s | requests/s | batch reached | saturates at | peak KV alloc MiB "
+                  "| peak KV held MiB | TTFT p50 s | TPOT p50 ms | TPOT p99 ms | compress share |", "|" + "---|" * 11]
         for r in rep.policies:
             sat = rep.saturation_batch.get(r.policy)
             lines.append(f"| {r.policy} | {r.tokens_per_s:.1f} | {r.requests_per_s:.3f} | {r.max_batch} | "
@@ -111,7 +111,8 @@ def format_table(rep: Report) -> str:
                              if r.policy != "full"]
     if rep.sweep:
         lines += ["", "batch sweep (no memory cap; B requests at batch B)", "",
-                  "| policy | batch | tokens/s | transformers generate tokens/s | engine / transformers (each repeat) |",
+                  "| policy | batch | tokens/s | transformers generate tokens/s "
+                  "| engine / transformers (each repeat) |",
                   "|---|---|---|---|---|"]
         for p in rep.sweep:
             hf = f"{p.hf_tokens_per_s:.1f}" if p.hf_tokens_per_s else "-"
@@ -134,7 +135,7 @@ def plot(rep: Report, path: Path) -> None:
         names = [r.policy for r in rep.policies] + (["hf generate"] if rep.hf_reference else [])
         vals = [r.tokens_per_s for r in rep.policies] + ([rep.hf_reference.tokens_per_s] if rep.hf_reference else [])
         batches = [r.max_batch for r in rep.policies] + ([rep.hf_reference.batch] if rep.hf_reference else [])
-        bars = ax.bar(names, vals, color=["C%d" % i for i in range(len(names))])
+        bars = ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
         for bar, b in zip(bars, batches):
             ax.annotate(f"batch {b}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
         cap = f"{human_bytes(rep.kv_memory)} KV" if rep.kv_memory else "no KV cap"

@@ -2,7 +2,8 @@
 step-driven `Engine` it loops over (add requests at any time, one scheduling decision per `step()`).
 
     from skipkv import load_model, generate, SamplingParams, make_policy
-    results = generate(load_model("random:qwen2"), ["a", "bb"], SamplingParams(max_new_tokens=8), make_policy("rkv", budget=32))
+    results = generate(load_model("random:qwen2"), ["a", "bb"], SamplingParams(max_new_tokens=8),
+                       make_policy("rkv", budget=32))
 
 The loop is short glue: admit waiting requests into free slots under the KV memory cap (batched, chunked
 prefill), decode one token for every running request, let the policy compress any request whose cache
@@ -35,7 +36,8 @@ def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
             for i, (p, sp) in enumerate(zip(prompts, sampling))]
 
 
-def generate(bundle, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+def generate(bundle, prompts: Sequence[str | Sequence[int]],
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              policy: Policy | None = None, engine: EngineConfig | None = None,
              on_result: Callable[[RequestResult], None] | None = None, progress: bool = False,
              steering: Callable[[object], ResidualAdd] | None = None, trace: bool = False) -> list[RequestResult]:

@@ -16,7 +16,8 @@ from skipkv.config import SamplingParams
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids of a prompt. Text that already starts with the BOS text (a chat template's output) gets no second BOS."""
+    """Token ids of a prompt. Text that already starts with the BOS text (a chat template's output) gets no
+    second BOS."""
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     bos = getattr(tokenizer, "bos_token", None)
@@ -27,7 +28,8 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
 def eos_ids(bundle) -> frozenset[int]:
     """End-of-sequence ids: the tokenizer's and the generation config's (chat models often have two)."""
     ids: set[int] = set()
-    for src in (bundle.tokenizer.eos_token_id, getattr(getattr(bundle.model, "generation_config", None), "eos_token_id", None)):
+    generation_config = getattr(bundle.model, "generation_config", None)
+    for src in (bundle.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
         if src is None:
             continue
         ids.update(src if isinstance(src, (list, tuple)) else [src])

@@ -46,7 +46,7 @@ class Verdict:
 
 
 class Grader(ABC):
-    def ready(self) -> None:
+    def ready(self) -> None:  # noqa: B027 - an optional hook: most graders need no check
         """Fail now, with a one-line SkipKVError, if this grader cannot work on this machine."""
 
     @abstractmethod
@@ -202,13 +202,13 @@ class CodeGrader(Grader):
     def limits(self) -> SandboxLimits:
         return SandboxLimits(timeout_s=self.timeout_s, memory_bytes=self.memory_bytes)
 
-    def ready(self) -> None:
+    def ready(self) -> None:  # noqa: B027 - an optional hook: most graders need no check
         self.sandbox()
 
     def sandbox(self) -> Sandbox:
         if self._sandbox is None:
             box = Sandbox(self.limits(), self.isolation)
-            box.isolation  # probe now: an unavailable level stops the run before any grading
+            _ = box.isolation  # probe now: an unavailable level stops the run before any grading
             object.__setattr__(self, "_sandbox", box)  # frozen dataclass: cache the probed sandbox once
         return self._sandbox
 

@@ -83,7 +83,8 @@ IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy"
 CORE_RECORD_KEYS = frozenset({
     "id", "sample", "seed", "prompt", "output", "reference", "extracted", "correct", "score", "grade_detail",
     "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
-    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session", "finished_at",
+    "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session",
+    "finished_at",
     "layer_kv_tokens", "sandbox", "trace"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1

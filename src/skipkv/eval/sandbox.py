@@ -13,9 +13,10 @@ from one to the other: the level asked for runs, or the run stops with a SkipKVE
   new network namespace (no interfaces but a down loopback: no host, no abstract Unix socket is
   reachable), new PID namespace with its own /proc (the parent's processes and their environments are
   invisible, and when the program exits its shell, the namespace's init, exits and the kernel kills
-  everything left in it, so no background process outlives a run), and a private mount namespace whose root is a fresh tmpfs of
-  `disk_bytes` (the only writable area, so a disk fill stops there) holding read-only binds of only what
-  Python needs (/usr and the Python install, a few /dev nodes) plus /work and /tmp: no host path, no host
+  everything left in it, so no background process outlives a run), and a private mount namespace whose root
+  is a fresh tmpfs of `disk_bytes` (the only writable area, so a disk fill stops there) holding read-only
+  binds of only what Python needs (/usr and the Python install, a few /dev nodes) plus /work and /tmp: no host
+  path, no host
   Unix socket, no /root, /home or /tmp of the host exists in it. The code runs under an unprivileged uid
   drawn at random per run from a range no account uses (RLIMIT_NPROC then counts this run's processes
   only). The sandbox's first process gets PR_SET_PDEATHSIG=SIGKILL and `unshare --kill-child`, so when the

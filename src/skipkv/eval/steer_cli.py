@@ -34,7 +34,8 @@ def register(sub) -> None:
     b.add_argument("--model", required=True)
     b.add_argument("--dataset", required=True, help="e.g. math500 (use --offset to keep clear of evaluated examples)")
     b.add_argument("--limit", type=int, required=True, help="number of examples")
-    b.add_argument("--offset", type=int, default=0, help="first example index (e.g. 400: disjoint from math500's first 100)")
+    b.add_argument("--offset", type=int, default=0,
+                   help="first example index (e.g. 400: disjoint from math500's first 100)")
     b.add_argument("--layers", type=_layers, required=True, help="comma-separated decoder layers, e.g. 8,12,16")
     b.add_argument("--out", required=True, help="output .safetensors file")
     b.add_argument("--max-new-tokens", type=int, default=256)

@@ -129,7 +129,8 @@ def _check_weights(source: Path, gguf_file: str | None) -> None:
         try:
             GGUFReader(path)
         except Exception as exc:  # the GGUF parser's failures (struct.error, ValueError, ...) are not enumerable
-            raise SkipKVError(f"{path} is not a valid GGUF file (truncated or corrupt: {str(exc).splitlines()[0][:120]})") from None
+            first = str(exc).splitlines()[0][:120]
+            raise SkipKVError(f"{path} is not a valid GGUF file (truncated or corrupt: {first})") from None
         return
     if not source.is_dir():
         return

@@ -54,8 +54,8 @@ def render_markdown(runs: list[Run], sections: list[Section], plots: dict[str, l
             rel = plot.path.relative_to(out_dir) if plot.path.is_relative_to(out_dir) else plot.path
             lines += [f"![{plot.caption}]({rel.as_posix()})", ""]
     lines += ["## Run dirs", ""]
-    lines += [f"- `{_shown(r.path)}`: {r.dataset}, {r.policy}, budget {_budget_text(r)}, seed {r.seed}, n={len(r.records)}"
-              for r in runs]
+    lines += [f"- `{_shown(r.path)}`: {r.dataset}, {r.policy}, budget {_budget_text(r)}, seed {r.seed}, "
+              f"n={len(r.records)}" for r in runs]
     notes = [note for r in runs for note in r.notes]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]

@@ -40,7 +40,8 @@ COLUMNS: list[tuple[str, Callable[[Row], str], bool, bool]] = [
 ]
 
 COLUMN_NOTE = ("acc: pass@1 (per example the mean over its samples, then the mean over examples, pooled over "
-               "seeds); 95% CI: Wilson score interval over examples (a seeded bootstrap when scores are fractional); gen len: mean generated tokens; KV mean: the mean over examples of each example's peak KV "
+               "seeds); 95% CI: Wilson score interval over examples (a seeded bootstrap when scores are "
+               "fractional); gen len: mean generated tokens; KV mean: the mean over examples of each example's peak KV "
                "length per kv head, as the engine measured it (it can include a prompt before its first compression); "
                "KV peak: the maximum; KV decode: the mean of each example's peak over decode steps only (after a "
                "long prompt was compressed); KV peak (MiB): the most K/V bytes any example held at any moment; "

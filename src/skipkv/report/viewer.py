@@ -145,8 +145,10 @@ _TEMPLATE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
 :root { --held: 215; }
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2430; background: #f6f7f9; }
-header { position: sticky; top: 0; z-index: 5; background: #fff; border-bottom: 1px solid #d8dce3; padding: 10px 18px 8px; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2430;
+       background: #f6f7f9; }
+header { position: sticky; top: 0; z-index: 5; background: #fff; border-bottom: 1px solid #d8dce3;
+         padding: 10px 18px 8px; }
 h1 { font-size: 17px; margin: 0 0 6px; }
 h1 small { font-weight: normal; color: #667; }
 .controls { display: flex; align-items: center; gap: 12px; flex-wrap: wrap; }
@@ -154,17 +156,22 @@ h1 small { font-weight: normal; color: #667; }
 #steplabel { font-variant-numeric: tabular-nums; min-width: 260px; }
 .legend { display: flex; flex-wrap: wrap; gap: 4px 18px; margin-top: 6px; font-size: 12.5px; color: #445; }
 .legend span.sw { display: inline-block; vertical-align: middle; margin-right: 5px; }
-.scale { width: 110px; height: 12px; background: linear-gradient(90deg, hsl(var(--held),85%,95%), hsl(var(--held),85%,68%)); border: 1px solid #bbc; }
+.scale { width: 110px; height: 12px;
+         background: linear-gradient(90deg, hsl(var(--held),85%,95%), hsl(var(--held),85%,68%));
+         border: 1px solid #bbc; }
 main { display: grid; gap: 14px; padding: 14px 18px 40px; }
 .run { background: #fff; border: 1px solid #d8dce3; border-radius: 6px; padding: 10px 14px; min-width: 0; }
 .run h2 { font-size: 15px; margin: 0 0 2px; }
 .run .meta { font-size: 12.5px; color: #556; margin-bottom: 4px; }
-.run .now { font-size: 12.5px; color: #334; margin-bottom: 8px; background: #eef2f7; padding: 3px 8px; border-radius: 4px; }
+.run .now { font-size: 12.5px; color: #334; margin-bottom: 8px; background: #eef2f7; padding: 3px 8px;
+            border-radius: 4px; }
 details { margin: 4px 0 10px; }
 summary { cursor: pointer; color: #445; font-size: 13px; }
-.text { font: 13px/1.95 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; white-space: pre-wrap; word-break: break-word; }
+.text { font: 13px/1.95 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; white-space: pre-wrap;
+        word-break: break-word; }
 .tok { border-radius: 2px; padding: 1px 0; cursor: default; }
-.tok.gone { color: #a3a8b2; background: none !important; text-decoration: line-through; text-decoration-color: #c9ccd3; }
+.tok.gone { color: #a3a8b2; background: none !important; text-decoration: line-through;
+            text-decoration-color: #c9ccd3; }
 .tok.fut { color: #c5c9d1; background: none !important; border-bottom: 1px dotted #d0d3da; }
 .tok .nl { color: #9aa3b5; }
 .tok .ph { color: #b0b6c2; }
@@ -173,13 +180,16 @@ summary { cursor: pointer; color: #445; font-size: 13px; }
 .tok.flag.fe { box-shadow: inset -2px 2px 0 #d0342c, inset 0 -2px 0 #d0342c; }
 .tok.flag.fs.fe { box-shadow: inset 0 0 0 2px #d0342c; }
 .tok.chk { text-decoration: underline wavy #e08a00; text-underline-offset: 3px; }
-.tok.cs::before { content: "\21BB check "; font: bold 10px system-ui, sans-serif; color: #fff; background: #e08a00; border-radius: 3px; padding: 0 3px; margin-right: 2px; }
+.tok.cs::before { content: "\21BB check "; font: bold 10px system-ui, sans-serif; color: #fff;
+                  background: #e08a00; border-radius: 3px; padding: 0 3px; margin-right: 2px; }
 .sw.flagbox { width: 26px; height: 12px; box-shadow: inset 0 0 0 2px #d0342c; }
 .sw.chkbox { color: #fff; background: #e08a00; border-radius: 3px; padding: 0 3px; font: bold 10px system-ui; }
 .sw.gonebox { color: #a3a8b2; text-decoration: line-through; font-family: ui-monospace, monospace; }
 .sw.futbox { color: #c5c9d1; border-bottom: 1px dotted #c5c9d1; font-family: ui-monospace, monospace; }
-#tip { position: fixed; z-index: 10; pointer-events: none; display: none; max-width: 420px; background: #1d2430; color: #eef;
-       font: 12px/1.45 system-ui, sans-serif; padding: 7px 9px; border-radius: 5px; box-shadow: 0 3px 10px rgba(0,0,0,.25); }
+#tip { position: fixed; z-index: 10; pointer-events: none; display: none; max-width: 420px;
+       background: #1d2430; color: #eef;
+       font: 12px/1.45 system-ui, sans-serif; padding: 7px 9px; border-radius: 5px;
+       box-shadow: 0 3px 10px rgba(0,0,0,.25); }
 #tip b { color: #fff; }
 </style></head>
 <body>
@@ -191,11 +201,14 @@ summary { cursor: pointer; color: #445; font-size: 13px; }
     <span id="steplabel"></span>
   </div>
   <div class="legend">
-    <span><span class="sw scale"></span>token colour: share of (layer, kv head) pairs whose cache holds it at this step (pale = few, deep = all)</span>
+    <span><span class="sw scale"></span>token colour: share of (layer, kv head) pairs whose cache holds it at
+      this step (pale = few, deep = all)</span>
     <span><span class="sw gonebox">abc</span>evicted by every layer and head at or before this step</span>
     <span><span class="sw futbox">abc</span>not generated yet at this step</span>
-    <span><span class="sw flagbox"></span>sentence the policy flagged redundant (a later sentence is near-identical)</span>
-    <span><span class="sw chkbox">&#x21BB; check</span> <span style="text-decoration: underline wavy #e08a00">sentence</span> with a check keyword (Wait, Alternatively, again)</span>
+    <span><span class="sw flagbox"></span>sentence the policy flagged redundant (a later sentence is
+      near-identical)</span>
+    <span><span class="sw chkbox">&#x21BB; check</span> <span style="text-decoration: underline wavy
+      #e08a00">sentence</span> with a check keyword (Wait, Alternatively, again)</span>
     <span>hover a token: position, when each layer/head evicted it, layers keeping it</span>
   </div>
 </header>
@@ -326,7 +339,10 @@ function tipFor(x, p) {  // the hover box of position p in run x, at the step sh
   out += p >= seen ? "not generated yet at this step<br>" :
     `held by ${heldAfter(x, p, c)} of ${x.LH} layer·heads; layers keeping it: ${ranges(layers)}<br>`;
   out += `evicted: ${evs.length ? evs.join(", ") : "never"}` + (C ? ` (of ${C} compressions)` : "");
-  if (x.sets.flag.has(p)) out += `<br>in a sentence flagged redundant (similarity ${Number(x.sets.flag.get(p)).toFixed(3)})`;
+  if (x.sets.flag.has(p)) {
+    const sim = Number(x.sets.flag.get(p)).toFixed(3);
+    out += `<br>in a sentence flagged redundant (similarity ${sim})`;
+  }
   if (x.sets.chk.has(p)) out += "<br>in a check sentence";
   return out;
 }

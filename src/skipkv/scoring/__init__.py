@@ -1,4 +1,5 @@
-"""Pure tensor scoring functions shared by policies. Shapes: b rows, H kv heads, G query group, w queries, n tokens, D head dim.
+"""Pure tensor scoring functions shared by policies.
+Shapes: b rows, H kv heads, G query group, w queries, n tokens, D head dim.
 
 Every function here has a naive loop reference in tests/test_scoring.py.
 """
@@ -67,7 +68,8 @@ def pool1d(x: torch.Tensor, kernel: int, pooling: str = "max", count_include_pad
 REDUNDANCY_BLOCK_BYTES = 32 << 20  # fp32 similarity rows held at a time by key_redundancy
 
 
-def key_redundancy(keys: torch.Tensor, threshold: float = 0.5, block_bytes: int = REDUNDANCY_BLOCK_BYTES) -> torch.Tensor:
+def key_redundancy(keys: torch.Tensor, threshold: float = 0.5,
+                   block_bytes: int = REDUNDANCY_BLOCK_BYTES) -> torch.Tensor:
     """R-KV redundancy, computed per request (the reference code uses batch row 0 for every row).
 
     keys [b, H, n, D] -> [b, H, n]. Cosine similarity between keys with a zero diagonal; in each row i the

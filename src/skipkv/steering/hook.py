@@ -29,7 +29,8 @@ class ResidualAdd:
 
     def prepare(self, tokens: torch.Tensor, states: list) -> None:
         """Set the per-row scale for the next forward from each request's current token (host tensor [B]) and state."""
-        vals = [self.coef(s) if (self.gate is None or self.gate(int(t), s)) else 0.0 for t, s in zip(tokens.tolist(), states)]
+        vals = [self.coef(s) if (self.gate is None or self.gate(int(t), s)) else 0.0
+                for t, s in zip(tokens.tolist(), states)]
         self.scale = to_device(torch.tensor(vals, dtype=self.vector.dtype), self.vector.device)
 
     def _hook(self, module, args, kwargs):
