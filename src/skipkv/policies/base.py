@@ -73,15 +73,16 @@ class Policy:
         """What the engine must capture for this instance: subset of {"queries", "attn", "hidden"}."""
         return self.needs
 
-    def init_state(self, prompt_ids: list[int], tokenizer) -> object | None:
-        """Per-request state (e.g. a sentence tracker); None for stateless policies."""
+    def init_state(self, prompt_ids: list[int], tokenizer) -> Any:
+        """Per-request state (e.g. a sentence tracker); None for stateless policies. (The state is typed Any
+        here: each policy's own methods annotate the type it uses.)"""
         return None
 
-    def observe(self, state: object, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+    def observe(self, state: Any, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Called once per forward per request when "hidden" is required: token_ids [T], hidden [T, hidden]
         (last layer, after the final norm)."""
 
-    def trace_state(self, state: object) -> dict | None:
+    def trace_state(self, state: Any) -> dict | None:
         """Per-request information a retention viewer shows (`skipkv show`), asked at each compression and
         when the request finishes, only when tracing. JSON-able, spans in true positions, ends inclusive, e.g.
         {"sentences": [[start, end, label], ...], "flagged": [[start, end, sim], ...]} (label "check" or
@@ -105,7 +106,7 @@ class Policy:
             return min(max(self.budget + self.interval, prompt_len + 1), whole)
         return min(self.budget + self.interval, whole)
 
-    def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
+    def should_compress(self, length: int, is_prefill: bool, state: Any = None) -> bool:
         """Compress a request that holds `length` entries now? (after prefill, or after a decode step)
         `state` is the request's policy state (for budgets that depend on the request, e.g. a protected prompt)."""
         if not self.compresses:
@@ -127,7 +128,7 @@ class Policy:
         """Called once per compression for a group of requests (their states), before any layer is scored:
         per-request work that does not depend on the layer (e.g. SkipKV's sentence comparison)."""
 
-    def stats(self, state: object) -> dict:
+    def stats(self, state: Any) -> dict:
         """Per-request figures merged into the request's result (`RequestResult.extra`) when it finishes."""
         return {}
 

@@ -15,6 +15,7 @@ across two tokens (byte-level tokenizers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 from skipkv.errors import SkipKVError
@@ -43,7 +44,11 @@ class SEAL(SteeringKnobs, Policy):
         if not self.steering:
             raise SkipKVError("seal needs a steering vector: --steering FILE (build one with skipkv steer build)")
         self._check_steering_file()
-        object.__setattr__(self, "_tables", TablesByTokenizer(gate=True))  # built once per instance and tokenizer
+
+    @cached_property
+    def _tables(self) -> TablesByTokenizer:
+        """The steering gate's lookup tables per tokenizer, built once per instance and shared by its requests."""
+        return TablesByTokenizer(gate=True)
 
     def init_state(self, prompt_ids: list[int], tokenizer) -> SealState:
         return SealState(self._steer_state(self._tables.get(tokenizer), prompt_ids))

@@ -36,6 +36,7 @@ per layer); a sentence flagged twice keeps its largest similarity.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -101,9 +102,12 @@ class SkipKV(SteeringKnobs, RKV):
             raise SkipKVError("protect_prompt keeps the whole prompt, so phase prefill would never compress; "
                               "use phase decode or both")
         self._check_steering_file()
-        object.__setattr__(self, "_tables", TablesByTokenizer(  # built once per instance and tokenizer
-            delimiters=self.delimiters, mode=self.sentence_mode, check_words=self.check_words,
-            gate=bool(self.steering)))
+
+    @cached_property
+    def _tables(self) -> TablesByTokenizer:
+        """Lookup tables per tokenizer, built once per instance and shared by its requests."""
+        return TablesByTokenizer(delimiters=self.delimiters, mode=self.sentence_mode, check_words=self.check_words,
+                                 gate=bool(self.steering))
 
     # ------------------------------------------------------------------------------------ per request
     def init_state(self, prompt_ids: list[int], tokenizer) -> SkipKVState:
