@@ -45,7 +45,8 @@ def interleaved_steps(bundle, ids: list[int], n: int) -> tuple[list[float], list
         with torch.inference_mode():
             model.set_attn_implementation(theirs)
             cache = DynamicCache(config=model.config)
-            out = model(input_ids=torch.tensor([ids], device=bundle.device), cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=torch.tensor([ids], device=bundle.device), cache=cache, use_cache=True,
+                        logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             model.set_attn_implementation(BACKEND)
             while eng.has_unfinished():
@@ -78,14 +79,16 @@ def main() -> None:
     ids = tok(text)["input_ids"]
     interleaved_steps(bundle, ids, 8)  # warm-up
     ratios = []
-    print(f"{args.model} {args.dtype}, prompt {len(ids)} tokens, {args.tokens} new, torch threads {torch.get_num_threads()}")
+    print(f"{args.model} {args.dtype}, prompt {len(ids)} tokens, {args.tokens} new, "
+          f"torch threads {torch.get_num_threads()}")
     print("| round | engine step p50 ms | transformers step p50 ms | transformers / engine (p50 of per-step ratios) |")
     print("|---|---:|---:|---:|")
     for i in range(args.rounds):
         e, h = interleaved_steps(bundle, ids, args.tokens)
         r = statistics.median(b / a for a, b in zip(e, h))
         ratios.append(r)
-        print(f"| {i + 1} | {statistics.median(e) * 1e3:.1f} | {statistics.median(h) * 1e3:.1f} | {r:.3f} |", flush=True)
+        print(f"| {i + 1} | {statistics.median(e) * 1e3:.1f} | {statistics.median(h) * 1e3:.1f} | {r:.3f} |",
+              flush=True)
     print(f"median over rounds, transformers / engine step time: {statistics.median(ratios):.3f} "
           "(> 1: the engine is faster)")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.bench.throughput import Workload, make_workload, run_bench, run_engine, run_hf
+from skipkv.bench.throughput import make_workload, run_bench, run_engine, run_hf
 from skipkv.config import EngineConfig, parse_bytes
 from skipkv.engine import Engine, encode_prompt
 from skipkv.models import load_model
@@ -91,7 +91,8 @@ def speed(bundle, size: str) -> list[dict]:
         hf = run_hf(bundle, work, b)
         rows.append({"batch": b, "engine_tokens_per_s": eng.tokens_per_s, "hf_tokens_per_s": hf.tokens_per_s,
                      "engine_over_hf": eng.tokens_per_s / hf.tokens_per_s})
-        print(f"speed batch {b}: engine {eng.tokens_per_s:.1f} tok/s, transformers {hf.tokens_per_s:.1f} tok/s", flush=True)
+        print(f"speed batch {b}: engine {eng.tokens_per_s:.1f} tok/s, transformers {hf.tokens_per_s:.1f} tok/s",
+              flush=True)
     return rows
 
 

@@ -2,7 +2,8 @@
 datasets with a Wilson 95% interval, and each policy against a reference policy on the same examples (pooled
 discordant pairs, exact McNemar). Cells are read from a sweep's output root, OUT/<dataset>/<label>-r<ratio>-s<seed>.
 
-    python benchmarks/grid.py docs/results/runs/longctx4k --against laprox-pool7 [--score] [--datasets niah,niah_multikey]
+    python benchmarks/grid.py docs/results/runs/longctx4k --against laprox-pool7 [--score] \\
+        [--datasets niah,niah_multikey]
 
 --score: the mean score (the share of the reference words found, e.g. common_words) instead of correct/n, with a
 seeded bootstrap interval over examples, and against the reference the mean paired difference (bootstrap).
@@ -69,7 +70,10 @@ def rows(grid, ratio: str, against: str | None, score: bool) -> list[Row]:
             vals += v
             parts.append(f"{sum(v) / len(v):.2f}" if score else f"{int(sum(v))}/{len(v)}")
             ref = cell.get((ds, against)) if has_ref else None
-            refs += [float(ref[i]["score"] if score else bool(ref[i]["correct"])) for i in ids] if ref else [None] * len(ids)
+            if ref:
+                refs += [float(ref[i]["score"] if score else bool(ref[i]["correct"])) for i in ids]
+            else:
+                refs += [None] * len(ids)
         n = len(vals)
         if score:
             lo, hi = bootstrap(vals)
@@ -115,7 +119,8 @@ def compact(grid, ratios: list[str], against: str | None, score: bool) -> str:
             fig = f"{r.pooled} {r.interval.split(' (n')[0]}" if score else r.pooled
             cells.setdefault(r.label, []).append(f"{fig} ({r.vs})" if r.vs and r.vs != "—" else fig)
     head = "| policy | " + " | ".join(f"{float(r):.0%}" for r in ratios) + " |"
-    return "\n".join([head, "|:---|" + "---:|" * len(ratios)] + [f"| {k} | " + " | ".join(v) + " |" for k, v in cells.items()])
+    body = [f"| {k} | " + " | ".join(v) + " |" for k, v in cells.items()]
+    return "\n".join([head, "|:---|" + "---:|" * len(ratios)] + body)
 
 
 def main() -> None:

@@ -80,7 +80,8 @@ def main() -> None:
     threads = set_threads(args.threads)
     bundle = load_model(args.model, dtype=args.dtype)
     tok = bundle.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                     add_generation_prompt=True)
     eng = Engine(bundle, make_policy("full"), EngineConfig(batch_size=1))
     eng.add_request(prompt, SamplingParams(max_new_tokens=args.steps + 40, ignore_eos=True))
     for _ in range(16):  # prefill + warm-up steps

@@ -41,7 +41,8 @@ def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]
         return cmd
     parts = arm.split(":")
     if parts[0] != "skipkv" or len(parts) < 2:
-        sys.exit(f"compare.py: error: bad arm {arm!r}; use vllm or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
+        sys.exit(f"compare.py: error: bad arm {arm!r}; "
+                 "use vllm or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
     opts = dict(p.split("=", 1) for p in parts[2:])
     cmd = [sys.executable, str(HERE / "skipkv_run.py"), str(workload), "--policy", parts[1]]
     for key in ("budget", "interval"):
@@ -78,7 +79,8 @@ def main() -> None:
     ap.add_argument("--arm", action="append", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window-s", type=float, help="cut each run after this many seconds (rates over the window)")
-    ap.add_argument("--kv-cap-gib", type=float, help="KV memory for both: VLLM_CPU_KVCACHE_SPACE and skipkv --kv-memory")
+    ap.add_argument("--kv-cap-gib", type=float,
+                    help="KV memory for both: VLLM_CPU_KVCACHE_SPACE and skipkv --kv-memory")
     ap.add_argument("--venv", type=Path, default=default_venv())
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -47,7 +47,8 @@ def main() -> None:
                                         [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2), EngineConfig(), "w")
     run = run_engine(bundle, policy, Workload(spec["workload"], spec["prompt_ids"], [sp] * n), cfg, args.policy,
                      args.window_s)
-    print(json.dumps({"engine": "skipkv", "policy": args.policy, "budget": args.budget if args.policy != "full" else None,
+    print(json.dumps({"engine": "skipkv", "policy": args.policy,
+                      "budget": args.budget if args.policy != "full" else None,
                       "interval": args.interval if args.policy != "full" else None,
                       "dtype": str(bundle.dtype).removeprefix("torch."),
                       "dtype_reason": bundle.dtype_choice.reason if bundle.dtype_choice else "requested",
