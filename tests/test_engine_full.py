@@ -7,8 +7,8 @@ import torch
 
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.engine import encode_prompt
 from skipkv.config import EngineConfig
+from skipkv.engine import encode_prompt
 
 
 def hf_greedy(bundle, prompt: str, n: int) -> list[int]:

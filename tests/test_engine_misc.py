@@ -7,8 +7,8 @@ import torch
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate
 from skipkv.config import EngineConfig
-from skipkv.steering.hook import ResidualAdd
 from skipkv.engine.sampler import filter_logits
+from skipkv.steering.hook import ResidualAdd
 
 
 def test_eos_stops_unless_ignored(tiny, monkeypatch):

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from skipkv.errors import SkipKVError
 from skipkv.eval.datasets import Example, packaged
 from skipkv.eval.graders import CodeGrader
-from skipkv.errors import SkipKVError
 from skipkv.eval.sandbox import Sandbox, SandboxLimits
 
 TIMEOUT = 1.5

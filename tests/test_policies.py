@@ -9,10 +9,9 @@ from conftest import PROMPTS
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
-from skipkv.engine.runner import ModelRunner
 from skipkv.engine import make_requests
+from skipkv.engine.runner import ModelRunner
 from skipkv.policies import POLICIES
-
 from skipkv.policies.base import Policy
 
 # Everything below is read from the registry and from what each policy declares: no policy is named here.

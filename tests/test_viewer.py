@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import PROMPTS
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.cli import main
 from skipkv.config import EngineConfig
@@ -24,8 +25,6 @@ from skipkv.eval.runner import EvalConfig, run_eval
 from skipkv.policies import POLICIES
 from skipkv.policies.rkv import RKV
 from skipkv.report.viewer import write_pages
-
-from conftest import PROMPTS
 
 CHROMIUM = Path("/usr/bin/chromium")
 needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "

@@ -64,7 +64,7 @@ class QueryBuffer:
         q = self.q[layer, slots]  # [b, Hq, W, D]
         return torch.gather(q, 2, order[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
 
-    def narrowed(self, window: int) -> "QueryBuffer":
+    def narrowed(self, window: int) -> QueryBuffer:
         """A new buffer of `window` <= W queries per slot holding each slot's newest ones, each at its true
         position % window: what a buffer of that size would hold after the same writes."""
         if window > self.window:

@@ -12,14 +12,14 @@ reached budget + interval, retire finished requests and refill their slots.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine.engine import Engine, EngineStats, StepOutput, check_fits, new_request
-from skipkv.steering.hook import ResidualAdd
 from skipkv.engine.request import Request, RequestResult, encode_prompt, eos_ids
 from skipkv.errors import SkipKVError
 from skipkv.policies import Policy, make_policy
+from skipkv.steering.hook import ResidualAdd
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestResult", "SamplingParams", "StepOutput", "generate",
            "encode_prompt", "eos_ids", "make_requests", "check_fits"]

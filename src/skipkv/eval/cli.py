@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], tuple]:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import re
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from skipkv.config import check_fields, knob
 from skipkv.eval.datasets import Example, HumanEval

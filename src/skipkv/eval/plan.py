@@ -11,9 +11,10 @@ import dataclasses
 import hashlib
 import inspect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from skipkv.config import EngineConfig, SamplingParams, check_fields, knob
 from skipkv.errors import SkipKVError

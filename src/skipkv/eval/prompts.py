@@ -18,9 +18,10 @@ writes is kept once: the text is tokenized without adding special tokens, which 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from skipkv.errors import SkipKVError
 
@@ -99,7 +100,7 @@ def check_style(style: str) -> str:
     return style
 
 
-def render(tokenizer, example: "Example", style: str) -> str:
+def render(tokenizer, example: Example, style: str) -> str:
     """The full prompt text for `example` under `style` (see module docstring)."""
     check_style(style)
     tpl = template(example.task)

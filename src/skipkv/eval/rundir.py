@@ -68,9 +68,10 @@ import json
 import os
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from skipkv.errors import SkipKVError
 from skipkv.eval.data import Example

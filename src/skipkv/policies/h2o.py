@@ -18,9 +18,9 @@ from typing import ClassVar
 
 import torch
 
+from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
-from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import window_logits
 

@@ -19,8 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from skipkv.policies import POLICIES
 from skipkv.config import knob
+from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import key_redundancy, window_importance
 

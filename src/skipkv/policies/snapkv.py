@@ -22,9 +22,9 @@ from typing import ClassVar
 
 import torch
 
+from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
-from skipkv.config import knob
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import causal_window_importance, pool1d, window_importance
 

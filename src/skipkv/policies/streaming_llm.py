@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from skipkv.policies import POLICIES
 from skipkv.config import knob
+from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
 from rich.console import Console
 
 from skipkv.errors import SkipKVError

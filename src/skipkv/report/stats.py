@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

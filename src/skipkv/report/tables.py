@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, get_args
+from collections.abc import Callable
+from typing import Literal, get_args
 
 from rich.table import Table
 

@@ -8,7 +8,7 @@ row b whose gate is open; coefficients and gates are set per request before each
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

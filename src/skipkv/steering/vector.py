@@ -61,7 +61,7 @@ class SteeringFile:
         return self.vectors[layer]
 
     @classmethod
-    def read_meta(cls, path: str) -> "SteeringFile":
+    def read_meta(cls, path: str) -> SteeringFile:
         """Only the metadata (cheap: the header): checks that `path` is a steering file."""
         from safetensors import safe_open
 
@@ -87,7 +87,7 @@ class SteeringFile:
         return cls(str(path), meta)
 
     @classmethod
-    def load(cls, path: str) -> "SteeringFile":
+    def load(cls, path: str) -> SteeringFile:
         from safetensors.torch import load_file
 
         head = cls.read_meta(path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from skipkv.sweep.run import CellResult, expand_results, run_local, run_ray, run_unit, shared_units, to_eval_config
 from skipkv.sweep.spec import SWEEP_KEYS, load_sweep, ray_resources
 
+
 # -------------------------------------------------------------------------------------------------- CLI
 def register(sub: argparse._SubParsersAction) -> None:
     epilog = "YAML keys:\n" + "\n".join(f"  {k:<15} {v}" for k, v in SWEEP_KEYS.items())

@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from skipkv.errors import SkipKVError
 from skipkv.sweep.spec import SCALAR_KEYS, Cell, CellFn
+
 
 # ---------------------------------------------------------------------------------------- cell -> config
 def eval_fields(cell: Cell) -> dict[str, Any]:
@@ -98,7 +100,7 @@ def run_unit(unit: Cell) -> Any:
     return [str(p) for p in run_shared([to_eval_config(c) for c in unit["group"]])]
 
 
-def expand_results(units: list[Cell], results: list["CellResult"]) -> list["CellResult"]:
+def expand_results(units: list[Cell], results: list[CellResult]) -> list[CellResult]:
     """Per-cell results from per-unit ones: a group's outcome (and seconds) holds for each of its cells."""
     out = []
     for unit, res in zip(units, results):

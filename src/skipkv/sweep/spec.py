@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
 from skipkv.errors import SkipKVError
-
 
 # Top-level YAML keys -> one-line description (used by the unknown-key error and --help epilog).
 SWEEP_KEYS: dict[str, str] = {
