@@ -108,7 +108,9 @@ def test_a_skipped_special_token_does_not_end_a_byte_run():
 
 # --------------------------------------------------------------------------------- the terminal
 
-GEN = ["generate", "--model", "random:qwen2", "--max-new-tokens", "1000", "--ignore-eos", "--raw", "hi"]
+# One thread: the same arithmetic in every run (the texts are compared), and no threads spinning on a busy machine
+# (two threads on two loaded cores made the tiny model 100x slower).
+GEN = ["generate", "--model", "random:qwen2", "--threads", "1", "--max-new-tokens", "1000", "--ignore-eos", "--raw", "hi"]
 
 
 def run_on_pty(argv: list[str]) -> tuple[list[tuple[float, bytes]], float, str]:
@@ -116,9 +118,7 @@ def run_on_pty(argv: list[str]) -> tuple[list[tuple[float, bytes]], float, str]:
     (seconds since start), the time the process exited, and its stderr."""
     master, slave = pty.openpty()
     tty.setraw(slave)  # no newline translation: the bytes read back are the bytes written
-    # One thread: the same arithmetic in every run (the texts are compared), and no spinning threads on a busy
-    # machine (two threads on two loaded cores made the tiny model 100x slower).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONIOENCODING="utf-8")
     env.pop("PYTHONUNBUFFERED", None)  # stdout buffered as in a user's shell, so a missing flush shows
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "skipkv.cli", *argv], stdin=subprocess.DEVNULL, stdout=slave,
