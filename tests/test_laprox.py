@@ -357,3 +357,150 @@ def test_bench_fidelity_policy_specs_are_checked_before_loading(capsys):
         assert msg in capsys.readouterr().err
 
 
+
+
+# ------------------------------------------------------------------------------------------- the ablation knobs
+def ref_attention_scores(q, k, scale):
+    """Naive loop: sum over query heads and window queries of each window query's causal softmax weight on token i."""
+    b, Hq, w, D = q.shape
+    H, n = k.shape[1], k.shape[2]
+    G = Hq // H
+    out = torch.zeros(b, n, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(Hq):
+            for j in range(w):
+                last = n - w + j
+                logits = [float(q[bi, h, j] @ k[bi, h // G, t]) * scale for t in range(last + 1)]
+                m = max(logits)
+                z = sum(math.exp(x - m) for x in logits)
+                for t in range(last + 1):
+                    out[bi, t] += math.exp(logits[t] - m) / z
+    return out
+
+
+def ref_candidates(s, sink, window, kernel, how):
+    """Naive: each candidate takes the max over the candidates within kernel // 2 of it, then the candidates are
+    normalised among themselves (population z-score, share of the sum, or unchanged)."""
+    n = len(s)
+    lo, hi = min(sink, n), max(n - window, min(sink, n))
+    out = list(s)
+    pooled = [max(s[j] for j in range(max(lo, i - kernel // 2), min(hi, i + kernel // 2 + 1))) for i in range(lo, hi)]
+    if pooled and how == "zscore":
+        mu = sum(pooled) / len(pooled)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in pooled) / len(pooled))
+        pooled = [(x - mu) / (sd + 1e-12) for x in pooled]
+    elif pooled and how == "sum":
+        pooled = [x / sum(pooled) for x in pooled]
+    out[lo:hi] = pooled
+    return out
+
+
+def ref_layer_select(scores, per_layer, sink, window):
+    """Naive: per layer, the protected entries plus the best others (ties: older), per_layer in all."""
+    if all(len(s) <= per_layer for s in scores):
+        return None
+    out = []
+    for s in scores:
+        n = len(s)
+        prot = set(range(min(sink, n))) | set(range(max(n - window, 0), n))
+        cand = sorted((i for i in range(n) if i not in prot), key=lambda i: (-s[i], i))
+        out.append(sorted(prot | set(cand[: max(per_layer - len(prot), 0)])) if n > per_layer else list(range(n)))
+    return out
+
+
+@pytest.mark.parametrize("Hq,H", [(4, 2), (3, 3)])
+def test_attention_scores_match_naive_loop(Hq, H):
+    from skipkv.policies.laprox import attention_scores
+
+    torch.manual_seed(2)
+    q = torch.randn(2, Hq, 3, 4, dtype=torch.float64) * 2
+    k = torch.randn(2, H, 7, 4, dtype=torch.float64)
+    torch.testing.assert_close(attention_scores(q, k, scale=0.7), ref_attention_scores(q, k, 0.7))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_candidate_scores_match_naive_pooling_and_normalisation(seed):
+    from skipkv.policies.laprox import candidate_scores
+
+    rng = random.Random(seed)
+    n = rng.randrange(1, 25)
+    s = [rng.gauss(0, 1) for _ in range(n)]
+    sink, window, kernel = rng.randrange(0, 4), rng.randrange(1, 5), rng.choice([1, 3, 5, 7])
+    how = rng.choice(["zscore", "sum", "none"])
+    if how == "sum":
+        s = [abs(x) + 0.01 for x in s]
+    got = candidate_scores(torch.tensor(s, dtype=torch.float64), sink, window, kernel, how)
+    torch.testing.assert_close(got, torch.tensor(ref_candidates(s, sink, window, kernel, how), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layer_select_matches_per_layer_sort(seed):
+    from skipkv.policies.laprox import layer_select
+
+    rng = random.Random(seed)
+    lens = [rng.randrange(5, 30) for _ in range(rng.randrange(1, 5))]
+    scores = [[round(rng.gauss(0, 1), 1) for _ in range(n)] for n in lens]  # ties within a layer
+    sink, window = rng.randrange(0, 3), rng.randrange(1, 4)
+    per_layer = rng.randrange(sink + window, max(lens) + 3)
+    got = layer_select([torch.tensor(s, dtype=torch.float64) for s in scores], per_layer, sink, window)
+    want = ref_layer_select(scores, per_layer, sink, window)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert [g.tolist() for g in got] == want
+
+
+VARIANTS = [dict(scoring=s, allocation=a, kernel=k) for s in ("output", "attention") for a in ("model", "layer")
+            for k in (1, 7)]
+
+
+@pytest.fixture(scope="module")
+def ablation_kept(sharp):
+    """Per variant, the positions each layer kept after the engine's prefill, and the naive pipeline's choice
+    (naive scores from the full prefill's window queries and keys, naive pooling, normalisation and top-k)."""
+    from skipkv.attention import attention_backend
+    from skipkv.engine import make_requests
+    from skipkv.engine.runner import ModelRunner
+    from skipkv.engine.shared import prefill_full
+
+    ratio, window, sink = 0.2, 8, 2
+    # seed 1: every model-wide variant splits the two layers unevenly, so allocation=layer keeps other tokens
+    ids = ragged_prompts(sharp.model.config.vocab_size, (120,), seed=1)[0]
+    P, layers = len(ids), sharp.model.model.layers
+    with attention_backend(sharp.model), torch.inference_mode():
+        full = prefill_full(sharp, ids, window)[0]
+        raw = {"output": [], "attention": []}
+        for l, layer in enumerate(layers):
+            q = full.queries.recent(l, torch.tensor([0]), window)[0][None]  # [1, Hq, w, D]
+            k, v = full.store.k[l][:1, :, :P], full.store.v[l][:1, :, :P]
+            scale = layer.self_attn.scaling
+            raw["output"].append(ref_scores(q, k, v, layer.self_attn.o_proj.weight, "sum", scale)[0].tolist())
+            raw["attention"].append(ref_attention_scores(q, k, scale)[0].tolist())
+        out = {}
+        for knobs in VARIANTS:
+            policy = make_policy("laprox", budget_ratio=ratio, prefill_window=window, sink=sink, **knobs)
+            runner = ModelRunner(sharp, policy, num_slots=1)
+            runner.prefill(make_requests(sharp, [ids], SamplingParams(max_new_tokens=1), policy))
+            got = [runner.store.pos[l][0, 0, : int(runner.store.lengths[l, 0])].tolist() for l in range(len(layers))]
+            cand = [ref_candidates(s, sink, window, knobs["kernel"], "zscore") for s in raw[knobs["scoring"]]]
+            per_layer = round(ratio * P)
+            want = (ref_layer_select(cand, per_layer, sink, window) if knobs["allocation"] == "layer"
+                    else ref_select(cand, per_layer * len(layers), sink, window, 0))
+            out[tuple(knobs.values())] = (got, want)
+    return out
+
+
+@pytest.mark.parametrize("knobs", VARIANTS, ids=lambda k: "-".join(map(str, k.values())))
+def test_each_ablation_variant_keeps_what_the_naive_pipeline_keeps(ablation_kept, knobs):
+    got, want = ablation_kept[tuple(knobs.values())]
+    assert got == want
+    if knobs["allocation"] == "layer":
+        assert len({len(k) for k in got}) == 1, "uniform allocation: every layer keeps the same count"
+
+
+def test_every_ablation_knob_changes_what_is_kept(ablation_kept):
+    # On the sharp model each axis, flipped alone, keeps a different set: a knob that were ignored would fail.
+    for key in ablation_kept:
+        for axis, other in enumerate((("output", "attention"), ("model", "layer"), (1, 7))):
+            flipped = list(key)
+            flipped[axis] = other[1 - other.index(key[axis])]
+            assert ablation_kept[key][0] != ablation_kept[tuple(flipped)][0], (key, axis)
