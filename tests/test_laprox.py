@@ -504,3 +504,94 @@ def test_every_ablation_knob_changes_what_is_kept(ablation_kept):
             flipped = list(key)
             flipped[axis] = other[1 - other.index(key[axis])]
             assert ablation_kept[key][0] != ablation_kept[tuple(flipped)][0], (key, axis)
+
+
+# ------------------------------------------------------------------------------------------- fidelity on unseen queries
+def _full_runner_after(bundle, ids, steps, forced=None):
+    from skipkv.bench.fidelity import feed_full
+    from skipkv.engine.shared import prefill_full
+
+    full, req, first = prefill_full(bundle, ids, steps, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
+    feed_full(full, req, first, steps, forced)
+    return full, req
+
+
+def test_decode_queries_are_the_answers_own(tiny):
+    """The decode-mode reference is what each attention module returned at each step of the greedy answer, and
+    the tokens fed are the full cache's own greedy tokens."""
+    from skipkv.attention import attention_backend
+    from skipkv.bench.fidelity import layer_output
+
+    ids = ragged_prompts(tiny.model.config.vocab_size, (50,), seed=4)[0]
+    seen: dict[int, list] = {}
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda m, a, out, l=l: seen.setdefault(l, []).append(out[0][0, -1].clone()))
+        for l, layer in enumerate(tiny.model.model.layers)]
+    try:
+        with attention_backend(tiny.model), torch.inference_mode():
+            full, req = _full_runner_after(tiny, ids, 5)
+    finally:
+        for h in hooks:
+            h.remove()
+    greedy = generate(tiny, [ids], SamplingParams(max_new_tokens=6, ignore_eos=True), make_policy("full"))[0]
+    assert req.output_ids == greedy.token_ids[:5]
+    s, slot = full.store, torch.tensor([0])
+    for l, layer in enumerate(tiny.model.model.layers):
+        got = layer_output(layer.self_attn, full.queries.recent(l, slot, 5)[0], torch.arange(50, 55),
+                           s.k[l][0, :, :55], s.v[l][0, :, :55], s.pos[l][0, :, :55])
+        torch.testing.assert_close(got.double(), torch.stack(seen[l][1:]).double())  # [0] was the prefill
+
+
+def test_heldout_queries_are_the_prompts_own(tiny):
+    """Held-out tokens fed one at a time give the queries a prefill of the whole prompt gives its last tokens."""
+    from skipkv.attention import attention_backend
+    from skipkv.engine.shared import prefill_full
+
+    ids = ragged_prompts(tiny.model.config.vocab_size, (60,), seed=5)[0]
+    with attention_backend(tiny.model), torch.inference_mode():
+        whole = prefill_full(tiny, ids, 8)[0]
+        fed, _ = _full_runner_after(tiny, ids[:52], 8, ids[52:])
+    slot = torch.tensor([0])
+    for l in range(tiny.model.config.num_hidden_layers):
+        torch.testing.assert_close(fed.queries.recent(l, slot, 8), whole.queries.recent(l, slot, 8))
+
+
+def test_heldout_fidelity_compresses_only_the_prompt_before_the_window(sharp):
+    from skipkv.bench.fidelity import fidelity_one
+
+    ids = ragged_prompts(sharp.model.config.vocab_size, (100,), seed=6)[0]
+    policies = {"laprox": make_policy("laprox", budget=20, prefill_window=8),
+                "snapkv": make_policy("snapkv", budget=20, prefill_window=8, phase="prefill")}
+    got = fidelity_one(sharp, ids, policies, 8, queries="heldout", steps=16)
+    L = sharp.model.config.num_hidden_layers
+    for name, want in (("laprox", 20 * L), ("snapkv", 20 * L)):
+        assert got[name]["scored_len"] == 84 and sum(got[name]["kept"]) == want
+    # What each policy kept is what it keeps of the 84-token prefix alone: the held-out tokens played no part.
+    alone = generate(sharp, [ids[:84]], SamplingParams(max_new_tokens=1), policies["laprox"])[0]
+    assert got["laprox"]["kept"] == alone.layer_kv_tokens
+    window = fidelity_one(sharp, ids, policies, 8, queries="window")
+    decode = fidelity_one(sharp, ids, policies, 8, queries="decode", steps=8)
+    for name in policies:  # three different query sets: three different figures
+        c = [tuple(round(x, 6) for x in r[name]["cosine"]) for r in (got, window, decode)]
+        assert len(set(c)) == 3 and all(0 < x < 1 for t in c for x in t)
+
+
+@pytest.mark.parametrize("queries", ["decode", "heldout"])
+def test_bench_fidelity_unseen_queries_cli(tmp_path, queries):
+    out = tmp_path / "fid.json"
+    args = ["bench", "fidelity", "--model", "random:qwen2", "--dataset", "niah", "--lengths", "600", "--policies",
+            "streaming_llm,laprox", "--window", "8", "--dtype", "fp32", "--out", str(out), "--queries", queries,
+            "--steps", "6"]
+    assert main(args + ["--budget-ratio", "1.0"]) == 0
+    report = json.loads(out.read_text())
+    assert report["queries"] == queries and report["steps"] == 6
+    for name in ("streaming_llm", "laprox"):  # nothing evicted: the fed queries see the full cache's output
+        assert all(abs(c - 1) < 1e-5 for c in report["results"][name]["600"]["per_layer"])
+    assert main(args + ["--budget-ratio", "0.2"]) == 0
+    assert all(c < 0.9999 for c in json.loads(out.read_text())["results"]["streaming_llm"]["600"]["per_layer"])
+
+
+def test_bench_fidelity_rejects_an_unknown_query_mode(capsys):
+    assert main(["bench", "fidelity", "--model", "random:qwen2", "--queries", "future", "--lengths", "600"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "query mode" in err
