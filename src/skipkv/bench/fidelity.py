@@ -39,7 +39,6 @@ Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum
 from __future__ import annotations
 
 import json
-import platform
 import time
 import statistics
 from pathlib import Path
@@ -220,6 +219,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
                  queries: str = "decode", steps: int = 32) -> dict:
     from skipkv.eval import prompts
     from skipkv.eval.datasets import data_request, get_dataset
+    from skipkv.hardware import environment
     from skipkv.models import load_model
     from skipkv.policies import parse_policy_spec
 
@@ -265,8 +265,9 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     table = format_table(results, lengths)
     print(table)
     report = {"model": model, "dataset": dataset, "lengths": lengths, "budget_ratio": budget_ratio,
-              "window": window, "queries": queries, "steps": steps if queries != "window" else None, "dtype": dtype, "examples_per_length": examples,
-              "machine": {"host": platform.node(), "cpu": platform.processor(), "torch": torch.__version__},
+              "window": window, "queries": queries, "steps": steps if queries != "window" else None,
+              "dtype": str(bundle.dtype).removeprefix("torch."), "examples_per_length": examples,
+              "machine": environment(bundle.dtype_choice),
               "results": results, "table": table}
     if out:
         path = Path(out)
