@@ -35,14 +35,20 @@ BLOCK = re.compile(r"^(?P<set>.+?)(?:-b(?P<block>\d+))?$")
 def load(root: Path) -> dict[str, dict[str, dict[str | None, dict[tuple[str, str], dict]]]]:
     """{set: {policy label: {ratio or None: {(block, example id): record}}}} from OUT/<dataset label>/<cell>."""
     grid: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
-    for records in sorted(root.glob("*/*/records.jsonl")):
-        cell, block = CELL.match(records.parent.name), BLOCK.match(records.parent.parent.name)
+    # Every cell directory counts, records or not: a cell that has not finished an example yet must keep that
+    # example out of the comparisons (the sweep creates all of a unit's cell directories when the unit starts).
+    for d in sorted(p for p in root.glob("*/*") if p.is_dir()):
+        cell, block = CELL.match(d.name), BLOCK.match(d.parent.name)
         if not cell or not block:
+            continue
+        slot = grid[block["set"]][cell["label"]][cell["ratio"]]
+        records = d / "records.jsonl"
+        if not records.is_file():
             continue
         for line in records.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                grid[block["set"]][cell["label"]][cell["ratio"]][(records.parent.parent.name, r["id"])] = r
+                slot[(d.parent.name, r["id"])] = r
     return grid
 
 
