@@ -60,6 +60,7 @@ def test_low_precision_runs(dtype):
     from skipkv.models import load_model
 
     b = load_model("random:qwen2", dtype=dtype)
-    res = generate(b, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), make_policy("rkv", budget=12, interval=4))
+    res = generate(b, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True),
+                   make_policy("rkv", budget=12, interval=4))
     assert [r.generated_tokens for r in res] == [6, 6]
     assert all(r.peak_kv_bytes > 0 for r in res)

@@ -107,7 +107,8 @@ def test_hidden_states_reach_the_policy(tiny):
             state["tokens"].extend(token_ids.tolist())
             state["width"].add(hidden.shape[-1])
 
-    res = generate(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), Spy(), EngineConfig(batch_size=2))
+    res = generate(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), Spy(),
+                   EngineConfig(batch_size=2))
     for prompt, r, st in zip(PROMPTS, res, states):
         assert st["tokens"] == encode_prompt(tiny.tokenizer, prompt) + r.token_ids[:-1]
         assert st["width"] == {tiny.config.hidden_size}

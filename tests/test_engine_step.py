@@ -179,7 +179,8 @@ def test_one_open_engine_per_model(tiny):
     Engine(tiny, make_policy("full")).close()  # closed: the model is free again
 
 
-@pytest.mark.parametrize("name, knobs", [("rkv", RKV), ("pyramidkv", dict(budget=24, window=4, interval=8, prefill_window=4, phase="both"))])
+@pytest.mark.parametrize("name, knobs", [("rkv", RKV), ("pyramidkv", dict(budget=24, window=4, interval=8,
+                                                                          prefill_window=4, phase="both"))])
 def test_store_follows_what_is_kept_after_every_step(tiny, name, knobs):
     """With nobody waiting, after every step the store is shaped exactly as the live requests need (the runner
     skips re-fitting between events: a compression late in a request, when what it keeps plus its remaining

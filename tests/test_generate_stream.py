@@ -110,7 +110,8 @@ def test_a_skipped_special_token_does_not_end_a_byte_run():
 
 # One thread: the same arithmetic in every run (the texts are compared), and no threads spinning on a busy machine
 # (two threads on two loaded cores made the tiny model 100x slower).
-GEN = ["generate", "--model", "random:qwen2", "--threads", "1", "--max-new-tokens", "1000", "--ignore-eos", "--raw", "hi"]
+GEN = ["generate", "--model", "random:qwen2", "--threads", "1", "--max-new-tokens", "1000", "--ignore-eos", "--raw",
+       "hi"]
 
 
 def run_on_pty(argv: list[str]) -> tuple[list[tuple[float, bytes]], float, str]:

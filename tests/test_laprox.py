@@ -324,8 +324,9 @@ def test_kernel_pools_candidate_scores_before_the_global_top_k():
         x = torch.zeros(1, 1, 20, 2)
         return Observation(l, x, x, torch.zeros(1, 1, 20, dtype=torch.int32), None, None, None, True)
 
-    keep = lambda **k: [t[0, 0].tolist() for t in Fixed(budget=3, prefill_window=2, window=1, normalize="none", **k)
-                        .select_model_wide([obs(0), obs(1)])]
+    def keep(**k) -> list:
+        return [t[0, 0].tolist() for t in Fixed(budget=3, prefill_window=2, window=1, normalize="none", **k)
+                .select_model_wide([obs(0), obs(1)])]
     assert keep() == [[10, 18, 19], [3, 18, 19]]
     assert keep(kernel=3) == [[9, 10, 18, 19], [18, 19]]  # the peak's neighbours tie with it; older first
 

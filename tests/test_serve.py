@@ -30,6 +30,8 @@ from skipkv.serve.protocol import ServerSettings, TextStream  # noqa: E402
 MODEL = "random:qwen2"
 RKV = dict(budget=32, window=4, interval=8)
 KEY = "sekret"
+ABORTED = 'skipkv_requests_total{finish_reason="abort"}'
+LENGTH = 'skipkv_requests_total{finish_reason="length"}'
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,7 +67,8 @@ def serving(app):
 def main_server():
     """rkv (budget 32), batch 8, no API key. Its own model instance: one open Engine per model."""
     app = create_app(load_model(MODEL, dtype="fp64"), make_policy("rkv", **RKV),
-                     EngineConfig(batch_size=8, group_by_length=False), ServerSettings(model_name=MODEL, max_tokens_cap=256))
+                     EngineConfig(batch_size=8, group_by_length=False),
+                     ServerSettings(model_name=MODEL, max_tokens_cap=256))
     with serving(app) as url:
         yield url, app.state.worker
 
@@ -135,10 +138,12 @@ def test_stop_seed_and_kv_budget(main_server, tiny):
     policy = make_policy("rkv", **RKV)
     plain = generate(tiny, [PROMPTS[2]], SamplingParams(max_new_tokens=40, ignore_eos=True), policy)[0].text
     stop = next(plain[i:i + 2] for i in range(3, len(plain) - 2) if plain[i:i + 2].isprintable())
-    ref = generate(tiny, [PROMPTS[2]], SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(stop, "\x00\x00")), policy)[0]
+    ref = generate(tiny, [PROMPTS[2]], SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(stop, "\x00\x00")),
+                   policy)[0]
     assert ref.finish_reason == "stop" and stop not in ref.text
     for stream in (False, True):
-        out = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop, "\x00\x00"],
+        out = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                   stop=[stop, "\x00\x00"],
                                    stream=stream, extra_body={"ignore_eos": True})
         chunks = list(out) if stream else [out]
         assert "".join(ch.choices[0].text for ch in chunks) == ref.text
@@ -197,7 +202,7 @@ def test_concurrent_streams_with_two_disconnects(main_server, tiny):
             deadline = time.monotonic() + 10
             while True:  # the two aborts free their slots and reservations
                 m = await asyncio.to_thread(metrics, url)
-                if m['skipkv_requests_total{finish_reason="abort"}'] - before['skipkv_requests_total{finish_reason="abort"}'] == 2:
+                if m[ABORTED] - before[ABORTED] == 2:
                     return full, m
                 assert time.monotonic() < deadline, (before, m)
                 await asyncio.sleep(0.005)
@@ -209,7 +214,8 @@ def test_concurrent_streams_with_two_disconnects(main_server, tiny):
     # a request reserves budget + interval entries, or its whole prompt while that is staged (no chunking)
     with Engine(tiny, policy) as eng:
         entry = eng.runner.entry_bytes
-    reserve = [entry * reservation(r, 0) for r in make_requests(tiny, prompts, SamplingParams(max_new_tokens=long), policy)]
+    reserve = [entry * reservation(r, 0) for r in make_requests(tiny, prompts, SamplingParams(max_new_tokens=long),
+                                                                policy)]
     assert len(set(reserve)) > 1  # the check below tells which two requests left
     assert full["skipkv_kv_reserved_bytes"] == sum(reserve)
     assert after_abort["skipkv_requests_running"] == 6
@@ -220,8 +226,8 @@ def test_concurrent_streams_with_two_disconnects(main_server, tiny):
     end = metrics(url)
     assert end["skipkv_requests_running"] == 0 and end["skipkv_kv_held_bytes"] == 0
     assert end["skipkv_kv_allocated_bytes"] == 0 and end["skipkv_kv_reserved_bytes"] == 0
-    assert end['skipkv_requests_total{finish_reason="abort"}'] - before['skipkv_requests_total{finish_reason="abort"}'] == 2
-    assert end['skipkv_requests_total{finish_reason="length"}'] - before['skipkv_requests_total{finish_reason="length"}'] == 6
+    assert end[ABORTED] - before[ABORTED] == 2
+    assert end[LENGTH] - before[LENGTH] == 6
 
 
 # ------------------------------------------------------------------------------------ (c) failures
@@ -273,7 +279,8 @@ def test_api_key_queue_limit_and_never_fits(strict_server):
     assert good.completions.create(**body).usage.completion_tokens == 4
     auth = {"Authorization": f"Bearer {KEY}"}
     # never fits under --kv-memory (full cache: prompt + max_tokens entries of 1 KiB): refused by the engine
-    err = _error(httpx.post(url + "/v1/completions", json=dict(body, prompt="y" * 100, max_tokens=250), headers=auth), 400)
+    err = _error(httpx.post(url + "/v1/completions", json=dict(body, prompt="y" * 100, max_tokens=250), headers=auth),
+                 400)
     assert "kv_memory" in err["message"]
 
     step = worker.engine.step
@@ -285,7 +292,8 @@ def test_api_key_queue_limit_and_never_fits(strict_server):
     worker.engine.step = slow_step
     try:
         with httpx.Client(timeout=30) as h, h.stream("POST", url + "/v1/completions", headers=auth,
-                                                     json=dict(body, max_tokens=250, stream=True, ignore_eos=True)) as a:
+                                                     json=dict(body, max_tokens=250, stream=True,
+                                                               ignore_eos=True)) as a:
             lines = a.iter_lines()
             assert next(lines).startswith("data: ")  # A is running
             b_result = {}

@@ -134,7 +134,8 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
     from skipkv.eval.shared import run_shared
 
     def summary(out: str) -> dict:
-        return {k: v for k, v in json.loads((Path(out) / "summary.json").read_text()).items() if k != "tokens_per_second"}
+        return {k: v for k,
+                v in json.loads((Path(out) / "summary.json").read_text()).items() if k != "tokens_per_second"}
 
     specs = [("full", None, {}), ("snapkv", 0.2, {"phase": "prefill"}), ("laprox", 0.2, {}),
              ("laprox", 0.1, {"kernel": 3}), ("rkv", 0.3, {}), ("h2o", 0.2, {"phase": "prefill"})]

@@ -45,7 +45,7 @@ def naive_sentences(tok, ids: list[int], hidden: torch.Tensor, delim_of, words, 
 
 
 def random_stream(tok, n: int, rng: random.Random, words) -> list[int]:
-    pieces = ["\n", ".", " ", "ab", "x", "\n\n", "Waiting", "again.", "gain"] + [w for w in words] + [" " + w for w in words]
+    pieces = ["\n", ".", " ", "ab", "x", "\n\n", "Waiting", "again.", "gain"] + list(words) + [" " + w for w in words]
     ids: list[int] = []
     while len(ids) < n:
         ids += tok.encode(rng.choice(pieces), add_special_tokens=False)
@@ -70,7 +70,7 @@ def test_tracker_matches_naive_loop(mode, delims, check_words):
         delim_of = dset.__contains__
     else:
         delim_of = lambda t: tok.decode([t]).endswith("\n")  # noqa: E731
-    for trial in range(4):
+    for _ in range(4):
         ids = random_stream(tok, 300, rng, words)
         hidden = torch.randn(len(ids), 16, dtype=torch.float64)
         tr = SentenceTracker(tables)
@@ -155,7 +155,8 @@ def test_skipkv_score_is_rkv_minus_weighted_penalty():
     tok = byte_tokenizer()
     b, Hq, H, n, D, w = 2, 4, 2, 40, 8, 4
     positions = torch.stack([torch.stack([torch.randperm(90)[:n].sort().values for _ in range(H)]) for _ in range(b)])
-    obs = dict(layer=0, keys=torch.randn(b, H, n, D), values=torch.randn(b, H, n, D), positions=positions.to(torch.int32),
+    obs = dict(layer=0, keys=torch.randn(b, H, n, D), values=torch.randn(b, H, n, D),
+               positions=positions.to(torch.int32),
                queries=torch.randn(b, Hq, w, D), attn=None, module=None, is_prefill=False)
     spans = [[(0, 9, 0.97), (20, 40, 0.99)], [(5, 5, 0.96), (50, 80, 1.0)]]
     policy = make_policy("skipkv", budget=24, window=w, sentence_weight=0.5)
@@ -217,7 +218,8 @@ def test_penalty_changes_what_is_kept(sharp):
     """Weight 0 is exactly R-KV; with the penalty the sharp model keeps other tokens (and says other things)."""
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
     rkv = generate(sharp, PROMPTS, sp, make_policy("rkv", budget=24, window=4, interval=8), EngineConfig(batch_size=4))
-    off = generate(sharp, PROMPTS, sp, make_policy("skipkv", budget=24, window=4, interval=8, sentence_weight=0.0, **SENT),
+    off = generate(sharp, PROMPTS, sp,
+                   make_policy("skipkv", budget=24, window=4, interval=8, sentence_weight=0.0, **SENT),
                    EngineConfig(batch_size=4))
     on = generate(sharp, PROMPTS, sp, make_policy("skipkv", budget=24, window=4, interval=8, **SENT),
                   EngineConfig(batch_size=4))

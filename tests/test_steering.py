@@ -13,12 +13,12 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.cli import main
 from skipkv.config import EngineConfig
-from skipkv.errors import SkipKVError
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
+from skipkv.errors import SkipKVError
+from skipkv.eval.steering import build_from_chains, nn_boundaries
 from skipkv.sentences import TokenTables
 from skipkv.steering import SteeringFile, SteerState
-from skipkv.eval.steering import build_from_chains, nn_boundaries
 
 LAYER = 1
 
@@ -103,7 +103,8 @@ def test_steering_adds_alpha_v_exactly_at_double_newlines(tiny, vec_file, name):
 
 def test_think_scope_gates_on_think_tags():
     tok = type("T", (), {})()
-    tables = TokenTables(delimiter=torch.zeros(8, dtype=torch.bool), has_nn=torch.tensor([0, 1, 0, 0, 0, 0, 0, 0]).bool(),
+    tables = TokenTables(delimiter=torch.zeros(8, dtype=torch.bool),
+                         has_nn=torch.tensor([0, 1, 0, 0, 0, 0, 0, 0]).bool(),
                          starts_nl=torch.zeros(8, dtype=torch.bool), ends_nl=torch.zeros(8, dtype=torch.bool),
                          check=None, think_open=5, think_close=6, tokenizer=tok)
     st = SteerState(tables, "auto", prompt_ids=[2, 3], alpha=-1.0)
@@ -143,7 +144,8 @@ def test_build_from_chains_is_the_class_mean_difference(tiny):
         for _, p, out in chains:
             got = []
             h = tiny.model.model.layers[L].register_forward_pre_hook(
-                lambda m, a, kw: got.append((a[0] if a else kw["hidden_states"])[0].clone()), with_kwargs=True)
+                lambda m, a, kw, got=got: got.append((a[0] if a else kw["hidden_states"])[0].clone()),
+                with_kwargs=True)
             with torch.inference_mode():
                 tiny.model.model(input_ids=torch.tensor([p + out]))
             h.remove()
@@ -180,11 +182,13 @@ def test_bad_steering_input_is_one_line_exit_2(tmp_path, capsys):
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"not a tensor file")
     cases = {
-        "missing": (["--policy", "skipkv", "--steering", str(tmp_path / "nope.safetensors")], "steering file not found"),
+        "missing": (["--policy", "skipkv", "--steering", str(tmp_path / "nope.safetensors")],
+                    "steering file not found"),
         "format": (["--policy", "skipkv", "--steering", str(garbage)], "is not a steering file"),
         "hidden": (["--policy", "skipkv", "--steering", write_vector(tmp_path / "h.safetensors", hidden=32)],
                    "hidden size 32"),
-        "layer_range": (["--policy", "seal", "--steering", write_vector(tmp_path / "l.safetensors", layers=(5,), best=5)],
+        "layer_range": (["--policy", "seal", "--steering", write_vector(tmp_path / "l.safetensors", layers=(5,),
+                                                                        best=5)],
                         "outside the model's layers"),
         "layer_absent": (["--policy", "seal", "--steering", write_vector(tmp_path / "a.safetensors"),
                           "--steering-layer", "3"], "no vector for layer 3"),

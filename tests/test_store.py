@@ -26,7 +26,7 @@ def test_append_compact_move_against_lists():
     for l in range(L):
         store.append(l, 0, k, k.clone(), pos)
     store.advance(0, real)
-    for (l, s, h), lst in ref.items():
+    for (_, s, h), lst in ref.items():
         lst += [(p, k[s, h, p].tolist()) for p in range(int(real[s]))]
     # one decode token for slots 1..2 (start = 1)
     k1 = torch.randn(2, H, 1, D, dtype=torch.float64)
@@ -34,7 +34,7 @@ def test_append_compact_move_against_lists():
     for l in range(L):
         store.append(l, 1, k1, k1.clone(), pos1)
     store.advance(1, torch.tensor([1, 1]))
-    for (l, s, h), lst in ref.items():
+    for (_, s, h), lst in ref.items():
         if s > 0:
             lst.append((int(pos1[s - 1, 0]), k1[s - 1, h, 0].tolist()))
     for key, lst in ref.items():
@@ -86,7 +86,7 @@ def test_per_layer_lengths_and_capacities_against_lists():
     for l in range(L):
         store.append(l, 0, k, k.clone(), torch.arange(6).expand(S, 6))
     store.advance(0, torch.tensor([6, 6, 6]))
-    for (l, s, h), lst in ref.items():
+    for (_, s, h), lst in ref.items():
         lst += [(p, k[s, h, p].tolist()) for p in range(6)]
     # layer 0 of slot 1 keeps 2 entries, layer 1 keeps 4 (the same for both heads: layer-level)
     for l, keep in ((0, [1, 5]), (1, [0, 2, 3, 5])):

@@ -14,7 +14,6 @@ import argparse
 from skipkv.errors import SkipKVError
 from skipkv.hardware import set_threads
 
-
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 
 

@@ -39,8 +39,8 @@ Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum
 from __future__ import annotations
 
 import json
-import time
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -101,7 +101,8 @@ def needle_positions(tokenizer, text: str, ids: list[int], answers) -> list[int]
 def retention(store, layer: int, needle: torch.Tensor) -> tuple[float, bool]:
     """(share of needle tokens held, averaged over kv heads; whether every head holds all of them) in one layer."""
     n = int(store.lengths[layer, 0])
-    held = torch.stack([torch.isin(needle, store.pos[layer][0, h, :n].long()) for h in range(store.pos[layer].shape[1])])
+    held = torch.stack([torch.isin(needle,
+                                   store.pos[layer][0, h, :n].long()) for h in range(store.pos[layer].shape[1])])
     return float(held.float().mean()), bool(held.all())
 
 
@@ -146,7 +147,8 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int, needle: li
         for l, layer in enumerate(layers):
             q = full.queries.recent(l, slot, len(qpos))[0]
             n = int(fs.lengths[l, 0])
-            refs.append(layer_output(layer.self_attn, q, qpos, fs.k[l][0, :, :n], fs.v[l][0, :, :n], fs.pos[l][0, :, :n]))
+            refs.append(layer_output(layer.self_attn, q, qpos, fs.k[l][0, :, :n], fs.v[l][0, :, :n],
+                                     fs.pos[l][0, :, :n]))
             qs.append(q)
             # The fed tokens' entries (identical under every policy: only the prompt was compressed).
             tails.append((fs.k[l][0, :, P:n], fs.v[l][0, :, P:n], fs.pos[l][0, :, P:n]))
@@ -165,7 +167,8 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int, needle: li
                     share, all_heads = retention(s, l, pos)
                     kept.append(share)
                     whole.append(all_heads)
-            out[name] = {"cosine": cos, "kept": sizes, "scored_len": P, **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
+            out[name] = {"cosine": cos, "kept": sizes, "scored_len": P,
+                         **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
     return out
 
 

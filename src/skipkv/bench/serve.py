@@ -104,7 +104,8 @@ async def run_level(url: str, api_key: str, model: str, messages: list[str], con
     return {"concurrency": concurrency, "requests": len(messages), "completed": len(results), "errors": len(errors),
             "seconds": round(wall, 3), "requests_per_s": round(len(results) / wall, 4),
             "tokens_per_s": round(tokens / wall, 2), "completion_tokens": tokens,
-            "ttft_p50_s": q(ttft, 0.5), "ttft_p99_s": q(ttft, 0.99), "itl_p50_s": q(itl, 0.5), "itl_p99_s": q(itl, 0.99),
+            "ttft_p50_s": q(ttft, 0.5), "ttft_p99_s": q(ttft, 0.99), "itl_p50_s": q(itl, 0.5),
+            "itl_p99_s": q(itl, 0.99),
             "peak_running": int(peak["running"]), "peak_kv_held_bytes": int(peak["kv_held_bytes"]),
             "peak_kv_allocated_bytes": int(peak["kv_allocated_bytes"]), "error_messages": errors[:5]}
 

@@ -14,14 +14,14 @@ request holds: `allocated_bytes`/`held_bytes`/`bytes_per_entry` count K/V only (
 accumulators that travel with every entry. `reshape` changes the number of slots and the capacities together,
 so that an engine under a KV memory cap allocates only the slots its admitted requests reserved.
 
-    python -c "from skipkv.cache import KVStore; import torch; s = KVStore(2, 4, 2, 16, 32, torch.float32); print(s.allocated_bytes())"
+    python -c "from skipkv.cache import KVStore; import torch; \\
+        s = KVStore(2, 4, 2, 16, 32, torch.float32); print(s.allocated_bytes())"
 """
 
 from __future__ import annotations
 
 import copy
-
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,7 +38,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class KVStore:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", aux: tuple[str, ...] = ()) -> None:
-        self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim = num_layers, num_slots, num_kv_heads, head_dim
+        self.num_layers, self.num_slots = num_layers, num_slots
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.aux_names = tuple(aux)
         self.capacities = [0] * num_layers
@@ -53,7 +54,7 @@ class KVStore:
         self.peak_allocated_total = 0  # K/V + positions + accumulators
         self._allocate([capacity] * num_layers)
 
-    def copy(self, aux: tuple[str, ...] | None = None) -> "KVStore":
+    def copy(self, aux: tuple[str, ...] | None = None) -> KVStore:
         """A deep copy holding the same entries; `aux`: the accumulators it keeps (default: all of them)."""
         keep = self.aux_names if aux is None else tuple(aux)
         if not set(keep) <= set(self.aux_names):
@@ -67,7 +68,8 @@ class KVStore:
 
     # ----------------------------------------------------------------------------------------- memory
     def _buf(self, capacity: int) -> torch.Tensor:
-        return torch.zeros(self.num_slots, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(self.num_slots, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                           device=self.device)
 
     def _side(self, capacity: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
         return torch.full((self.num_slots, self.num_kv_heads, capacity), fill, dtype=dtype, device=self.device)
@@ -179,7 +181,8 @@ class KVStore:
         b0, top = (int(base[0]),) * 2 if B == 1 else (int(base.min()), int(base.max()))
         top += T
         if top > self.capacities[layer]:
-            raise RuntimeError(f"KV slot overflow: need {top} entries in layer {layer}, capacity {self.capacities[layer]}")
+            raise RuntimeError(f"KV slot overflow: need {top} entries in layer {layer}, "
+                               f"capacity {self.capacities[layer]}")
         if b0 + T == top:
             # Every row at the same length (always so at batch 1): plain slice writes, no index tensors.
             self.k[layer][start:start + B, :, b0:top] = k_new
@@ -200,7 +203,8 @@ class KVStore:
             idx = to_device(base, self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
             self.k[layer][rows[:, None], :, idx] = k_new.transpose(1, 2)
             self.v[layer][rows[:, None], :, idx] = v_new.transpose(1, 2)
-            self.pos[layer][rows[:, None], :, idx] = positions.to(torch.int32)[:, :, None].expand(B, T, self.num_kv_heads)
+            pos = positions.to(torch.int32)[:, :, None].expand(B, T, self.num_kv_heads)
+            self.pos[layer][rows[:, None], :, idx] = pos
             for n in self.aux_names:
                 self.aux[n][layer][rows[:, None], :, idx] = 0.0
         return self.k[layer][start:start + B, :, :top], self.v[layer][start:start + B, :, :top]

@@ -48,7 +48,8 @@ def add_policy_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     for knob, typ in seen.items():
         if knob in skip:
             continue
-        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=_bool if typ is bool else typ, default=None,
+        p.add_argument(f"--{knob.replace('_', '-')}", dest=f"knob_{knob}", type=_bool if typ is bool else typ,
+                       default=None,
                        help=f"policy knob ({typ.__name__}); default: the policy's own")
 
 
@@ -77,9 +78,11 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"hub id, local folder, .gguf file, pulled name, or random:<family>[:size] (default {DEFAULT_MODEL})")
+                   help=f"hub id, local folder, .gguf file, pulled name, or random:<family>[:size] "
+                        f"(default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto",
-                   help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+                   help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), "
+                        "bf16, fp32, fp16")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
@@ -122,7 +125,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise SkipKVError(f"{path}:{n}: not valid JSON") from None
-            text = row if isinstance(row, str) else (row.get("prompt") or row.get("text")) if isinstance(row, dict) else None
+            if isinstance(row, dict):
+                row = row.get("prompt") or row.get("text")
+            text = row if isinstance(row, str) else None
             if not isinstance(text, str):
                 raise SkipKVError(f"{path}:{n}: expected a string or an object with a 'prompt' field")
             prompts.append(text)

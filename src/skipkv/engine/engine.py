@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -161,7 +161,8 @@ class Engine:
             if not policy.compresses:
                 raise SkipKVError(f"{what}: policy {type(policy).__name__} keeps every token; a budget does not apply")
             if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= policy.budget:
-                raise SkipKVError(f"{what}: budget must be an integer in (0, {policy.budget}] (the policy's), got {budget!r}")
+                raise SkipKVError(f"{what}: budget must be an integer in (0, {policy.budget}] (the policy's), "
+                                  f"got {budget!r}")
             policy = dataclasses.replace(policy, budget=budget)  # validates budget > window + sink
         ids = encode_prompt(self.bundle.tokenizer, prompt)
         r = new_request(self.bundle, ids, sampling or SamplingParams(), policy, self._next_index, self._eos, what)
@@ -269,7 +270,7 @@ class Engine:
         if self.hook is not None:
             self.hook.remove()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

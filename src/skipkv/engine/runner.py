@@ -15,7 +15,7 @@ A compression step reads a few device values (the queries buffered, the policy's
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -192,7 +192,8 @@ class ModelRunner:
                 self._last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
             if self.need_hidden and real[i] > 0:
                 r.policy.observe(r.state, ids[i, : int(real[i])], hidden[i, : int(real[i])])
-        self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held)) if r.policy.should_compress(n, True, r.state)],
+        self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held))
+                       if r.policy.should_compress(n, True, r.state)],
                       is_prefill=True)
         self._chunk_at = c1
         if c1 < self._cohort_len:
@@ -232,7 +233,8 @@ class ModelRunner:
             for i, r in enumerate(self.running):
                 r.policy.observe(r.state, ids[i], hidden[i])
         tokens = sample(self._logits(hidden[:, -1]), self.running)
-        self.compress([(i, r) for i, (r, n) in enumerate(zip(self.running, held)) if r.policy.should_compress(n, False, r.state)],
+        self.compress([(i, r) for i, (r, n) in enumerate(zip(self.running, held))
+                       if r.policy.should_compress(n, False, r.state)],
                       is_prefill=False)
         return tokens
 
@@ -268,7 +270,8 @@ class ModelRunner:
                     host_slots = torch.tensor([s for s, _ in group])
                     slots = to_device(host_slots, self.store.device)
                     states = [r.state for _, r in group]
-                    self.store.compact(l, host_slots, policy.select(self._observe(policy, l, slots, n, is_prefill, states)))
+                    self.store.compact(l, host_slots,
+                                       policy.select(self._observe(policy, l, slots, n, is_prefill, states)))
         spent = time.perf_counter() - t0
         self.compress_seconds += spent
         share = spent / len(rows)
@@ -320,7 +323,8 @@ class ModelRunner:
             seen = int((self.queries.qpos[slots] >= 0).sum(dim=-1).min())
             queries = self.queries.recent(layer, slots, min(policy.query_window, seen))
         attn = self.store.aux["attn"][layer][slots, :, :n] if "attn" in self.store.aux else None
-        return Observation(layer=layer, keys=self.store.k[layer][slots, :, :n], values=self.store.v[layer][slots, :, :n],
+        return Observation(layer=layer, keys=self.store.k[layer][slots, :, :n],
+                           values=self.store.v[layer][slots, :, :n],
                            positions=self.store.pos[layer][slots, :, :n], queries=queries, attn=attn,
                            module=self.layers[layer].self_attn, is_prefill=is_prefill, states=states)
 

@@ -24,7 +24,7 @@ it enters once running requests finish (it fits alone, so this never hangs).
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 from skipkv.config import EngineConfig
 from skipkv.engine.request import Request

@@ -28,7 +28,7 @@ prefill accumulated attention sums for an H2O branch, every branch's figure incl
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import random
 import re
 import string
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts

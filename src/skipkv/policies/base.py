@@ -10,8 +10,9 @@ tensor per layer, of different lengths; the store gives each layer its own capac
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 

@@ -250,7 +250,8 @@ class LaProx(Policy):
         n = len(prompt_ids)
         if self.budget_ratio is not None:
             if n < self.prefill_window:
-                raise SkipKVError(f"laprox prefill_window ({self.prefill_window}) is larger than the prompt ({n} tokens)")
+                raise SkipKVError(f"laprox prefill_window ({self.prefill_window}) is larger than the prompt "
+                                  f"({n} tokens)")
             self._check_layer_budget(self.layer_budget(n), f"budget ratio {self.budget_ratio} of a {n}-token prompt")
         return _PromptState(n)
 

@@ -168,7 +168,8 @@ class SkipKV(SteeringKnobs, RKV):
         # Rows are grouped by length and compress at prompt_len + budget + interval, so a group shares one
         # prompt length; the keep tensor must be rectangular.
         if len(prompt_lens) != 1:
-            raise RuntimeError(f"protect_prompt: rows of one compression group have prompt lengths {sorted(prompt_lens)}")
+            raise RuntimeError("protect_prompt: rows of one compression group have prompt lengths "
+                               f"{sorted(prompt_lens)}")
         P = prompt_lens.pop()
         scores = scores.masked_fill(obs.positions < P, float("inf"))
         return protect_and_select(scores, P + self.budget, self.window, self.sink)

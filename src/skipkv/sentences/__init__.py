@@ -4,8 +4,7 @@
 """
 
 from skipkv.sentences.redundancy import flag_earlier, span_penalty
-from skipkv.sentences.tracker import (REFERENCE_DELIMITERS, SentenceTracker, TokenTables, classify_step,
-                                      parse_delimiters)
+from skipkv.sentences.tracker import REFERENCE_DELIMITERS, SentenceTracker, TokenTables, classify_step, parse_delimiters
 
 __all__ = ["REFERENCE_DELIMITERS", "SentenceTracker", "TokenTables", "classify_step", "flag_earlier",
            "parse_delimiters", "span_penalty"]

@@ -102,7 +102,7 @@ class TokenTables:
 
     @classmethod
     def build(cls, tokenizer, delimiters: str = REFERENCE_DELIMITERS, mode: str = "ids",
-              check_words: str = "reference", gate: bool = False) -> "TokenTables":
+              check_words: str = "reference", gate: bool = False) -> TokenTables:
         """Decoding the whole vocabulary (seconds for 150K tokens) happens only when needed: text mode, or the
         steering gate's tables (`gate`); otherwise those tables are empty (every lookup is False)."""
         texts = token_texts(tokenizer) if (mode == "text" or gate) else []

@@ -152,7 +152,8 @@ def create_app(bundle, policy, engine_config: EngineConfig, settings: ServerSett
             worker.abort(rid)
             raise
         if first[0] == "error":
-            raise APIError(first[1], first[2], None, None, type="invalid_request_error" if first[1] == 400 else "server_error")
+            raise APIError(first[1], first[2], None, None,
+                           type="invalid_request_error" if first[1] == 400 else "server_error")
         ts = int(time.time())
         if parsed.stream:
             state = {"done": False}

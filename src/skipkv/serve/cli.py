@@ -14,6 +14,7 @@ from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
 from skipkv.hardware import set_threads
 
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"port must be an integer in 1..65535, got {text!r}")
@@ -58,6 +59,7 @@ def register(sub) -> None:
     s.add_argument("--served-model-name", help="the model id clients pass (default: --model)")
     d = ServerSettings()
     s.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests at most; more get HTTP 429")
-    s.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="max_tokens allowed per request at most")
+    s.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap,
+                   help="max_tokens allowed per request at most")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
