@@ -42,6 +42,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ def feed_full(full: ModelRunner, req, first: int, steps: int, forced: list[int] 
 
 
 def fidelity_one(bundle, ids: list[int], policies: dict, window: int, needle: list[int] | None = None,
-                 queries: str = "decode", steps: int = 32) -> dict[str, dict[str, list]]:
+                 queries: str = "decode", steps: int = 32) -> dict[str, dict[str, Any]]:
     """Per policy label: {"cosine": the per-layer mean cosine similarity [L], "kept": entries per layer, and with
     `needle` positions, "needle": per-layer retention [L] and "needle_whole": per-layer all-heads-hold-it flags
     [L]} on one prompt, over the queries `queries` selects (see the module docstring)."""
@@ -144,6 +145,7 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int, needle: li
         slot = torch.tensor([0], device=bundle.device)
         fs = full.store
         refs, qs, tails = [], [], []
+        assert full.queries is not None  # the full run buffers the window's queries
         for l, layer in enumerate(layers):
             q = full.queries.recent(l, slot, len(qpos))[0]
             n = int(fs.lengths[l, 0])
@@ -254,7 +256,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
             for p, got in fidelity_one(bundle, ids, built, window, needle, queries, steps).items():
                 sums[p][str(n)].append(got)
                 prompt_lens[p][str(n)].append(got["scored_len"])
-    results = {}
+    results: dict[str, Any] = {}
     for p, by_len in sums.items():
         results[p] = {}
         for k, v in by_len.items():

@@ -125,12 +125,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise SkipKVError(f"{path}:{n}: not valid JSON") from None
-            if isinstance(row, dict):
-                row = row.get("prompt") or row.get("text")
-            text = row if isinstance(row, str) else None
-            if not isinstance(text, str):
+            prompt = (row.get("prompt") or row.get("text")) if isinstance(row, dict) else row
+            if not isinstance(prompt, str):
                 raise SkipKVError(f"{path}:{n}: expected a string or an object with a 'prompt' field")
-            prompts.append(text)
+            prompts.append(prompt)
     if not prompts:
         raise SkipKVError("no prompt given (pass PROMPT... or --prompts FILE.jsonl)")
     for i, p in enumerate(prompts):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -95,15 +96,16 @@ class Request:
     compress_seconds: float = 0.0
     started: float = 0.0  # admission time
     generator: torch.Generator | None = None
-    state: object | None = None  # the policy's per-request state
+    state: Any = None  # the policy's per-request state (its type is the policy's)
     peak_total_bytes: int = 0
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
-    trace: object | None = None  # RequestTrace, created at the first compression when tracing
+    trace: Any = None  # RequestTrace, created at the first compression when tracing
     request_id: str = ""
-    policy: object | None = None  # the policy this request runs under (its own lower budget, if it asked for one)
+    # The Policy this request runs under (its own lower budget, if it asked for one); set when it is prepared.
+    policy: Any = None
     reserve: int = 0  # slot entries reserved per layer (see scheduler.reservation)
-    layer_reserve: torch.Tensor | None = None  # [L] entries each layer may need (policy.layer_capacity), host
+    layer_reserve: Any = None  # [L] entries each layer may need (policy.layer_capacity), host
     arrived: float = field(default_factory=time.perf_counter)  # add_request time
     first_token_at: float = 0.0
     last_token_at: float = 0.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ class ModelRunner:
         self._chunk_at = 0  # prompt offset of the cohort's next chunk
         self._cohort_len = 0  # longest prompt of the cohort
         self._cohort_stage = 0  # entries the cohort's staging needs (scheduler.staging)
-        self._last_hidden: list[torch.Tensor | None] = []
+        self._last_hidden: list[Any] = []  # [hidden] per prefilling request, None until its last chunk
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
         self._reshape_due = True  # something changed what the store must hold since the last fit()

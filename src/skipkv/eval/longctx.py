@@ -25,6 +25,7 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -191,13 +192,16 @@ def make_niah(tokenizer, style: str, lengths: Sequence[int], depths: Sequence[fl
     documents = documents if documents is not None else load_essays()
     # Keys are words of the packaged essays whatever the haystack, so a small custom haystack still works.
     hay, words, count = Haystack(documents, tokenizer), vocabulary(load_essays()), _counter(tokenizer, style)
-    cells = [(d, i) for d in depths for i in range(per_cell)] if not num_distractors else \
-        [(None, i) for i in range(per_cell)]
+    cells: list[tuple[float | None, int]] = [(d, i) for d in depths for i in range(per_cell)]
+    if num_distractors:
+        cells = [(None, i) for i in range(per_cell)]
     examples = []
     for length in lengths:
         for depth, i in cells:
             rng = _rng(name, seed, length, depth, i)
-            start, keys, values = rng.randrange(len(documents)), set(), set()
+            start = rng.randrange(len(documents))
+            keys: set[str] = set()
+            values: set[str] = set()
             pairs = [(_key(rng, words, keys), _value(rng, values)) for _ in range(1 + num_distractors)]
             spots = [depth] if depth is not None else [rng.random() for _ in pairs]
             query, answer = pairs[0]
@@ -279,7 +283,7 @@ def make_common_words(tokenizer, style: str, lengths: Sequence[int], per_length:
             while freq > freq_uncommon + 2 and count(build(0, freq)) > length // 2:
                 freq -= 1
             per_word = max(1.0, (count(build(num_common, freq)) - count(build(0, freq))) / num_common)
-            ex = fit(lambda n, f=freq: build(n, f), count, length, int((length - count(build(0, freq))) / per_word),
+            ex = fit(partial(build, freq=freq), count, length, int((length - count(build(0, freq))) / per_word),
                      per_unit=per_word)
             if ex.meta["num_uncommon"] >= len(others):
                 raise SkipKVError(f"common_words: the vocabulary ({len(words)} words) is too small for length {length}")
@@ -316,11 +320,16 @@ class LongContextDataset(Dataset):
     def identity(self, request: DataRequest) -> dict[str, Any]:
         r = self.resolve(request)
         haystack = Path(r.data) if r.data else packaged(HAYSTACK)
-        out = {"source": "generated", "lengths": list(r.lengths), "per_length": r.per_length, "seed": r.seed,
-               "haystack": haystack.name, "haystack_sha256": sha256_file(haystack)}
+        out: dict[str, Any] = {"source": "generated", "lengths": list(r.lengths), "per_length": r.per_length,
+                               "seed": r.seed, "haystack": haystack.name, "haystack_sha256": sha256_file(haystack)}
         if r.depths and self.default_depths:
             out["depths"] = list(r.depths)
         return out
+
+
+def _resolved(per_length: int | None) -> int:
+    assert per_length is not None  # LongContextDataset.resolve fills it
+    return per_length
 
 
 @DATASETS.register("niah")
@@ -333,7 +342,8 @@ class NIAH(LongContextDataset):
 
     def load(self, request: DataRequest) -> list[Example]:
         r = self.resolve(request)
-        return make_niah(r.tokenizer, r.prompt_style, r.lengths, r.depths, r.per_length, r.seed, load_essays(r.data))
+        return make_niah(r.tokenizer, r.prompt_style, r.lengths, r.depths, _resolved(r.per_length), r.seed,
+                         load_essays(r.data))
 
 
 @DATASETS.register("niah_multikey")
@@ -345,8 +355,8 @@ class NIAHMultiKey(LongContextDataset):
 
     def load(self, request: DataRequest) -> list[Example]:
         r = self.resolve(request)
-        return make_niah(r.tokenizer, r.prompt_style, r.lengths, (), r.per_length, r.seed, load_essays(r.data),
-                         num_distractors=self.num_distractors, name=self.name)
+        return make_niah(r.tokenizer, r.prompt_style, r.lengths, (), _resolved(r.per_length), r.seed,
+                         load_essays(r.data), num_distractors=self.num_distractors, name=self.name)
 
 
 @DATASETS.register("variable_tracking")
@@ -357,7 +367,7 @@ class VariableTracking(LongContextDataset):
 
     def load(self, request: DataRequest) -> list[Example]:
         r = self.resolve(request)
-        return make_variable_tracking(r.tokenizer, r.prompt_style, r.lengths, r.per_length, r.seed,
+        return make_variable_tracking(r.tokenizer, r.prompt_style, r.lengths, _resolved(r.per_length), r.seed,
                                       load_essays(r.data))
 
 
@@ -369,4 +379,5 @@ class CommonWords(LongContextDataset):
 
     def load(self, request: DataRequest) -> list[Example]:
         r = self.resolve(request)
-        return make_common_words(r.tokenizer, r.prompt_style, r.lengths, r.per_length, r.seed, load_essays(r.data))
+        return make_common_words(r.tokenizer, r.prompt_style, r.lengths, _resolved(r.per_length), r.seed,
+                                 load_essays(r.data))

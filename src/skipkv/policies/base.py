@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from skipkv.config import check_fields, knob
 from skipkv.errors import SkipKVError
 from skipkv.scoring import protect_and_select
+
+if TYPE_CHECKING:
+    from skipkv.steering.hook import ResidualAdd
 
 PHASES = ("prefill", "decode", "both")
 
@@ -133,7 +136,7 @@ class Policy:
         """Per-request figures merged into the request's result (`RequestResult.extra`) when it finishes."""
         return {}
 
-    def steering_hook(self, bundle) -> object | None:
+    def steering_hook(self, bundle) -> ResidualAdd | None:
         """A `ResidualAdd` hook for this run (removed when generation ends), or None. Used by `generate` when
         no explicit steering factory is given."""
         return None

@@ -22,12 +22,13 @@ from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Policy
 from skipkv.sentences.tracker import TablesByTokenizer
+from skipkv.steering.gate import SteerState
 from skipkv.steering.knobs import SteeringKnobs
 
 
 @dataclass
 class SealState:
-    steer: object  # SteerState
+    steer: SteerState
 
 
 @POLICIES.register("seal")
@@ -51,7 +52,9 @@ class SEAL(SteeringKnobs, Policy):
         return TablesByTokenizer(gate=True)
 
     def init_state(self, prompt_ids: list[int], tokenizer) -> SealState:
-        return SealState(self._steer_state(self._tables.get(tokenizer), prompt_ids))
+        steer = self._steer_state(self._tables.get(tokenizer), prompt_ids)
+        assert steer is not None  # seal always has a steering file (checked in __post_init__)
+        return SealState(steer)
 
     def stats(self, state: SealState) -> dict:
         return {"steered_tokens": state.steer.steered}

@@ -135,6 +135,7 @@ class SkipKV(SteeringKnobs, RKV):
     def coefficient(self, state: SkipKVState) -> float:
         if self.alpha_update == "sentence":
             return self.alpha0 - self.gamma * state.tracker.num_check
+        assert state.steer is not None  # the coefficient is only asked for when steering
         return state.steer.alpha
 
     # ------------------------------------------------------------------------------------ budget
@@ -164,6 +165,7 @@ class SkipKV(SteeringKnobs, RKV):
         scores = self.score(obs)
         if not self.protect_prompt:
             return protect_and_select(scores, self.budget, self.window, self.sink)
+        assert obs.states is not None  # the runner passes every row's state
         prompt_lens = {st.prompt_len for st in obs.states}
         # Rows are grouped by length and compress at prompt_len + budget + interval, so a group shares one
         # prompt length; the keep tensor must be rectangular.

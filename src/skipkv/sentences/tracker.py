@@ -98,7 +98,7 @@ class TokenTables:
     check: re.Pattern
     think_open: int | None
     think_close: int | None
-    tokenizer: object
+    tokenizer: Any  # an HF tokenizer
 
     @classmethod
     def build(cls, tokenizer, delimiters: str = REFERENCE_DELIMITERS, mode: str = "ids",

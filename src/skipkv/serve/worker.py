@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from skipkv.config import EngineConfig, SamplingParams
-from skipkv.engine import Engine, StepOutput
+from skipkv.engine import Engine, RequestResult, StepOutput
 from skipkv.errors import SkipKVError
 
 log = logging.getLogger("skipkv.serve")
@@ -67,7 +67,7 @@ class EngineWorker:
         self._waiting = 0  # requests not yet admitted (inbox + engine queue), guarded by _cond
         self._metrics: dict[str, int] = {}
         self._finished: Counter = Counter()
-        self._base = Counter()  # cumulative counters of engines replaced after a failure
+        self._base: Counter[str] = Counter()  # cumulative counters of engines replaced after a failure
         self._steps = 0
         self._thread = threading.Thread(target=self._run, name="skipkv-engine", daemon=True)
         self._publish()
@@ -175,7 +175,7 @@ class EngineWorker:
         tokens: dict[str, list[int]] = {}
         for rid, tok in out.new_tokens:
             tokens.setdefault(rid, []).append(tok)
-        done: dict[str, tuple[Job, object]] = {}
+        done: dict[str, tuple[Job, RequestResult]] = {}
         for res in out.finished:
             self._finished[res.finish_reason] += 1
             job = self._jobs.pop(res.request_id, None)

@@ -9,6 +9,7 @@ row b whose gate is open; coefficients and gates are set per request before each
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -16,8 +17,8 @@ from skipkv.cache.store import to_device
 
 
 class ResidualAdd:
-    def __init__(self, model, layer: int, vector: torch.Tensor, coef: Callable[[object], float],
-                 gate: Callable[[int, object], bool] | None = None) -> None:
+    def __init__(self, model, layer: int, vector: torch.Tensor, coef: Callable[[Any], float],
+                 gate: Callable[[int, Any], bool] | None = None) -> None:
         layers = model.model.layers
         if not 0 <= layer < len(layers):
             raise ValueError(f"steering layer {layer} outside [0, {len(layers)})")
