@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from skipkv.errors import SkipKVError
+from skipkv.hardware import set_threads
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -22,6 +23,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     from skipkv.bench.decode import DecodeBenchConfig, run_bench
 
     # Everything is checked here (policies, knobs, lengths, --out) before the model loads.
@@ -34,6 +36,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     from skipkv.bench.fidelity import run_fidelity
     from skipkv.policies import parse_policy_spec
 
@@ -43,10 +46,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             raise SkipKVError(f"{p} keeps the full cache: it is the reference, not a policy to compare")
     if not 0 < args.budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {args.budget_ratio}")
-    if args.examples <= 0 or args.window <= 0:
-        raise SkipKVError("--examples and --window must be positive")
+    if args.examples <= 0 or args.window <= 0 or args.steps <= 0:
+        raise SkipKVError("--examples, --window and --steps must be positive")
     run_fidelity(args.model, args.dataset, _ints(args.lengths), policies, args.budget_ratio, args.examples,
-                 args.window, args.dtype, args.out)
+                 args.window, args.dtype, args.out, queries=args.queries, steps=args.steps)
     return 0
 
 
@@ -61,6 +64,7 @@ def _batches(text: str) -> list[int]:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     from skipkv.bench.throughput import run_bench
     from skipkv.policies import POLICIES
 
@@ -113,11 +117,13 @@ def register(sub) -> None:
     d.add_argument("--interval", type=int, default=128)
     d.add_argument("--window", type=int, default=8)
     d.add_argument("--batch-size", type=int, default=1)
-    d.add_argument("--dtype", default="bf16")
+    d.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     d.add_argument("--span", type=int, default=64, help="steps before each length whose median is reported")
     d.add_argument("--out", help="write the JSON report here")
     d.set_defaults(func=cmd_decode)
-    f = bsub.add_parser("fidelity", help="per-layer cosine of the window's attention output: compressed vs full cache")
+    f = bsub.add_parser("fidelity", help="per-layer cosine of the attention output of queries the policies did not "
+                        "score: compressed vs full cache")
     f.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     f.add_argument("--dataset", default="niah")
     f.add_argument("--lengths", default="4096,8192")
@@ -125,8 +131,14 @@ def register(sub) -> None:
                    help="comma-separated, or ';'-separated specs with knobs: 'snapkv;laprox:kernel=7,normalize=sum'")
     f.add_argument("--budget-ratio", type=float, default=0.1, help="budget per layer as a fraction of the prompt")
     f.add_argument("--examples", type=int, default=1, help="examples per length (niah: the first depths)")
-    f.add_argument("--window", type=int, default=32, help="observation queries compared (the last prompt tokens)")
-    f.add_argument("--dtype", default="bf16")
+    f.add_argument("--queries", default="decode",  # checked by run_fidelity (bench.fidelity.QUERY_MODES)
+                   help="queries compared: decode (the full cache's greedy answer, default), heldout (the last "
+                   "--steps prompt tokens, held out from compression) or window (the scoring window itself)")
+    f.add_argument("--steps", type=int, default=32, help="decode steps or held-out prompt tokens compared")
+    f.add_argument("--window", type=int, default=32,
+                   help="queries captured from the prefill (and compared with --queries window)")
+    f.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    f.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     f.add_argument("--out", help="write the JSON report here (and a PNG plot beside it)")
     f.set_defaults(func=cmd_fidelity)
     t = bsub.add_parser("throughput", help="tokens/s of each policy under one KV memory cap (+ batch sweep)")
@@ -144,7 +156,8 @@ def register(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
     t.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per request per step (0 = whole)")
     t.add_argument("--prefill-budget", type=int, default=0, help="prompt tokens per step at most (0 = no limit)")
-    t.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA, fp32 on CPU), bf16, fp32, fp16")
+    t.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    t.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     t.add_argument("--device", help="cpu, cuda (default: the loader's)")
     t.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     t.add_argument("--out", help="write the JSON report here (checked writable before running)")
