@@ -60,6 +60,7 @@ class EvalConfig:
     top_k: int = _SAMPLING.top_k
     seed: int = _SAMPLING.seed
     max_new_tokens: int | None = knob(None, "None: the dataset's default", kind=int, gt=0)
+    force_wait: int = _SAMPLING.force_wait  # s1 budget forcing (SamplingParams.force_wait)
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
     kv_memory: int = knob(_ENGINE.kv_memory, "KV memory cap in bytes (0 = none; execution only: it does not "
@@ -87,7 +88,7 @@ class EvalConfig:
         check_fields(self, "eval")
         # The sampling and engine knobs are validated by the dataclasses that own their constraints.
         SamplingParams(max_new_tokens=self.max_new_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, seed=self.seed)
+                       top_k=self.top_k, seed=self.seed, force_wait=self.force_wait)
         EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk)
         if self.samples > 1 and self.temperature == 0:
             raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")

@@ -8,15 +8,16 @@ the report reads them. A run directory holds three files.
 config.json — the resolved run. Keys that change results (IDENTITY_KEYS) are compared when the same
 directory is used again; any difference is a SkipKVError, so one directory never mixes two setups:
   model, dtype, device           the model as loaded
-  dataset                        {name, grader, source/file/sha256 or generator parameters (lengths, depths, seed ...)}
-  prompt_style                   "chat" | "raw"
+  dataset                        {name, grader, source/file/sha256 or generator parameters (lengths, depths, seed ...),
+                                 offset (when > 0: the examples skipped before --limit counts)}
+  prompt_style                   "chat" | "raw" | "r1think" (eval/prompts.py)
   policy                         {name, budget, window, sink, interval, phase, + the policy's own knobs}
                                  (budget is null when it is set per prompt, see budget_mode)
   budget_mode                    "tokens" (given), "reference" (ratio x a full-cache run's mean generation
                                  length, the SkipKV/R-KV definition) or "prompt_length" (long-context sets
                                  without a reference: ratio x the example's nominal length in tokens)
   budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
-  sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
+  sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop, force_wait (when > 0)}
   grader                         {name, + its settings}
   engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
                                  16-bit dtypes, see below)

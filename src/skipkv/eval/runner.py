@@ -83,7 +83,7 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
     dataset, policy, mode, max_new = plan.dataset, plan.policy, plan.mode, plan.max_new
     options = check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
     request = data_request(options, bundle.tokenizer, cfg.prompt_style)
-    examples = dataset.load(request)
+    examples = dataset.load(request)[request.offset:]
     if cfg.limit is not None:
         examples = examples[:cfg.limit]
     # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any
@@ -100,14 +100,17 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
     if mode == "prompt_length" or not policy.compresses:
         policy_record["budget"] = None  # set per example (see budget_mode), or no budget applies
     sampling = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k, seed=cfg.seed, stop=plan.stop)
+                              top_k=cfg.top_k, seed=cfg.seed, stop=plan.stop, force_wait=cfg.force_wait)
     config = jsonable({
         "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
-        "dataset": {"name": cfg.dataset, **dataset.identity(request)},
+        "dataset": {"name": cfg.dataset, **dataset.identity(request)}
+        | ({"offset": request.offset} if request.offset else {}),  # absent at 0: older run dirs still resume
         "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
         "budget_ratio": cfg.budget_ratio,
         "budget_reference": {"mean_generated_tokens": plan.ref_mean} if plan.ref_mean is not None else None,
-        "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **public_fields(plan.grader)},
+        "sampling": {k: v for k, v in dataclasses.asdict(sampling).items()
+                     if k != "force_wait" or v},  # absent when off: older run dirs still resume
+        "grader": {"name": dataset.grader, **public_fields(plan.grader)},
         "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
                    if k not in ("batch_size", "kv_memory", "prefill_budget")}
         | {"prefill_chunk": cfg.prefill_chunk}
