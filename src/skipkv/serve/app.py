@@ -67,27 +67,29 @@ async def _disconnected(receive) -> None:
         pass
 
 
-class StatusCounter:
-    """ASGI middleware counting responses by status code (for /metrics); an exception that escapes the app
-    counts as the 500 the server will send."""
+class ResponseTap:
+    """ASGI middleware counting responses by status code (for /metrics) and adding `headers` to each; an
+    exception that escapes the app counts as the 500 the server will send."""
 
-    def __init__(self, app, counts: Counter) -> None:
-        self.app, self.counts = app, counts
+    def __init__(self, app, counts: Counter, headers: list[tuple[bytes, bytes]]) -> None:
+        self.app, self.counts, self.headers = app, counts, headers
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = False
 
-        async def counting_send(message) -> None:
+        async def tapped_send(message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
                 self.counts[message["status"]] += 1
+                if self.headers:
+                    message = {**message, "headers": list(message.get("headers", [])) + self.headers}
             await send(message)
 
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, receive, tapped_send)
         except Exception:
             if not started:
                 self.counts[500] += 1
@@ -121,7 +123,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _prometheus(m: dict[str, int], statuses: Counter) -> str:
+def _prometheus(m: dict[str, int], statuses: Counter, replica: str = "") -> str:
     """/metrics in Prometheus' text format."""
     rows = [("skipkv_requests_running", "gauge", "requests holding a slot (decoding or prefilling)", m["running"]),
             ("skipkv_requests_waiting", "gauge", "requests waiting for a slot", m["waiting"]),
@@ -141,12 +143,17 @@ def _prometheus(m: dict[str, int], statuses: Counter) -> str:
     out += ["# HELP skipkv_http_responses_total HTTP responses by status code (4xx: the client's fault or a full "
             "queue, 5xx: the server's)", "# TYPE skipkv_http_responses_total counter"]
     out += [f'skipkv_http_responses_total{{code="{code}"}} {n}' for code, n in sorted(statuses.items())]
+    if replica:
+        out += ["# HELP skipkv_replica_info the replica these figures are from", "# TYPE skipkv_replica_info gauge",
+                f'skipkv_replica_info{{replica="{replica}"}} 1']
     return "\n".join(out) + "\n"
 
 
-def create_app(bundle, policy, engine_config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(bundle, policy, engine_config: EngineConfig, settings: ServerSettings | None = None,
+               replica: str = "") -> FastAPI:
     """The app; its lifespan starts the engine thread and stops it (finishing nothing in flight).
-    The engine admits first come, first served whatever `engine_config.group_by_length` says."""
+    The engine admits first come, first served whatever `engine_config.group_by_length` says. `replica`: this
+    copy's name when several serve one endpoint (replicas.py): every response says it in `x-skipkv-replica`."""
     settings = settings or ServerSettings()
     model_name = settings.model_name or bundle.name
     worker = EngineWorker(bundle, policy, engine_config, settings.max_queue)
@@ -171,7 +178,7 @@ def create_app(bundle, policy, engine_config: EngineConfig, settings: ServerSett
     app = FastAPI(title="skipkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.statuses = statuses
-    app.add_middleware(StatusCounter, counts=statuses)
+    app.add_middleware(ResponseTap, counts=statuses, headers=[(b"x-skipkv-replica", replica.encode())] if replica else [])
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -203,7 +210,7 @@ def create_app(bundle, policy, engine_config: EngineConfig, settings: ServerSett
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_prometheus(worker.metrics(), statuses), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(_prometheus(worker.metrics(), statuses, replica), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):

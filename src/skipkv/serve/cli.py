@@ -2,6 +2,7 @@
 
     skipkv serve --model qwen2.5-coder-0.5b-instruct --policy rkv --budget 128 --kv-memory 2GiB --port 8000
     skipkv serve --model random:qwen2 --api-key secret --max-queue 64 --max-tokens-cap 1024 --shutdown-timeout 5
+    skipkv serve --model random:qwen2 --replicas 2 [--ray auto]   # N replicas behind Ray Serve (replicas.py)
 
 Binds 127.0.0.1 unless --host says otherwise (a public address without --api-key gets a warning).
 Needs the `serve` extra (pip install -e ".[serve]").
@@ -62,6 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from skipkv.engine.cli import policy_from_args
     from skipkv.models import load_model
 
+    if args.replicas < 0:
+        raise SkipKVError(f"--replicas must be 0 (one server) or more, got {args.replicas}")
     policy = policy_from_args(args)
     # A server must be fair: no batch grouping by prompt length (it could pass over a long prompt forever).
     engine = engine_from_args(args)
@@ -69,6 +72,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warning = public_bind_warning(args.host, settings.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    if args.replicas:
+        from skipkv.serve.replicas import ReplicaSpec, run_replicas
+
+        spec = ReplicaSpec(args.model, args.dtype, policy, engine, settings, args.threads)
+        run_replicas(spec, args.replicas, args.host, args.port, args.ray, args.replica_cpus)
+        return 0
     if args.threads:
         import torch
 
@@ -100,6 +109,11 @@ def register(sub) -> None:
     s.add_argument("--read-timeout", type=float, default=d.read_timeout, help=help_("read_timeout"))
     s.add_argument("--max-connections", type=int, default=d.max_connections, help=help_("max_connections"))
     s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, help=help_("shutdown_timeout"))
-    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default; per replica)")
+    s.add_argument("--replicas", type=int, default=0,
+                   help="serve N engine replicas behind Ray Serve's HTTP proxy (0 = one server, no Ray)")
+    s.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="with --replicas: the Ray cluster to join (auto, or HEAD:6379; default: start a local one)")
+    s.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: Ray CPUs reserved per replica")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
