@@ -382,3 +382,26 @@ def test_public_bind_without_a_key_warns(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert ("without --api-key" in err) == warned, err
     assert ran == ["0.0.0.0", "127.0.0.1"]
+
+
+# ----------------------------------------------------------------------------- the soak benchmark
+def test_soak_mode_runs_every_client_kind_and_finds_the_server_clean(capsys):
+    from skipkv.bench.soak import CLIENTS, loopback_url, run_soak
+    from skipkv.errors import SkipKVError
+
+    for url in ("http://10.1.2.3:8000", "http://example.com", "https://127.0.0.1:8000"):
+        with pytest.raises(SkipKVError, match="this machine only"):
+            loopback_url(url)
+    s = ServerSettings(model_name=MODEL, max_tokens_cap=256, read_timeout=1.0)
+    app = create_app(load_model(MODEL, dtype="fp32"), make_policy("rkv", **RKV), EngineConfig(batch_size=8), s)
+    with serving(app, s) as url:
+        rep = run_soak(url, 0.15, None, None)
+    out = capsys.readouterr().out
+    assert "soak:" in out and "normal latency p50" in out
+    assert set(rep["outcomes"]) == set(CLIENTS)
+    assert rep["five_xx"] == 0 and rep["hung"] == 0
+    assert rep["outcomes"]["normal"].get("200", 0) > 0 and set(rep["outcomes"]["normal"]) == {"200"}
+    assert set(rep["outcomes"]["malformed"]) <= {"400", "404"}
+    assert set(rep["outcomes"]["oversized"]) <= {"400", "413"}
+    assert set(rep["outcomes"]["slow"]) <= {"closed", "408"}
+    assert rep["end"] == {k: 0 for k in rep["end"]}

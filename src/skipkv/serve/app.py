@@ -123,8 +123,22 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _resident_bytes() -> tuple[int, int]:
+    """This process's resident memory now and at its peak (Linux; (0, peak) where /proc is missing)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        now = 0
+    return now, peak
+
+
 def _prometheus(m: dict[str, int], statuses: Counter, replica: str = "") -> str:
     """/metrics in Prometheus' text format."""
+    rss, peak_rss = _resident_bytes()
     rows = [("skipkv_requests_running", "gauge", "requests holding a slot (decoding or prefilling)", m["running"]),
             ("skipkv_requests_waiting", "gauge", "requests waiting for a slot", m["waiting"]),
             ("skipkv_kv_reserved_bytes", "gauge", "KV bytes reserved by running requests", m["kv_reserved_bytes"]),
@@ -133,7 +147,9 @@ def _prometheus(m: dict[str, int], statuses: Counter, replica: str = "") -> str:
             ("skipkv_kv_cap_bytes", "gauge", "KV memory cap (0 = none)", m["kv_cap_bytes"]),
             ("skipkv_generated_tokens_total", "counter", "tokens generated", m["generated_tokens"]),
             ("skipkv_compressions_total", "counter", "KV compressions (one per request compressed)", m["compressions"]),
-            ("skipkv_engine_steps_total", "counter", "engine steps", m["steps"])]
+            ("skipkv_engine_steps_total", "counter", "engine steps", m["steps"]),
+            ("skipkv_process_resident_bytes", "gauge", "the server process's resident memory", rss),
+            ("skipkv_process_peak_resident_bytes", "gauge", "the server process's peak resident memory", peak_rss)]
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
