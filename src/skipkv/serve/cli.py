@@ -16,6 +16,7 @@ import sys
 
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
+from skipkv.hardware import set_threads
 
 
 def _port(text: str) -> int:
@@ -72,16 +73,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warning = public_bind_warning(args.host, settings.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    set_threads(args.threads)  # checks the value too; with --replicas each replica sets its own
     if args.replicas:
         from skipkv.serve.replicas import ReplicaSpec, run_replicas
 
         spec = ReplicaSpec(args.model, args.dtype, policy, engine, settings, args.threads)
         run_replicas(spec, args.replicas, args.host, args.port, args.ray, args.replica_cpus)
         return 0
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     bundle = load_model(args.model, dtype=args.dtype)
     app = create_app(bundle, policy, engine, settings)
     uvicorn.Server(server_config(app, settings, args.host, args.port, args.log_level)).run()
@@ -109,7 +107,6 @@ def register(sub) -> None:
     s.add_argument("--read-timeout", type=float, default=d.read_timeout, help=help_("read_timeout"))
     s.add_argument("--max-connections", type=int, default=d.max_connections, help=help_("max_connections"))
     s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, help=help_("shutdown_timeout"))
-    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default; per replica)")
     s.add_argument("--replicas", type=int, default=0,
                    help="serve N engine replicas behind Ray Serve's HTTP proxy (0 = one server, no Ray)")
     s.add_argument("--ray", default=None, metavar="ADDRESS",

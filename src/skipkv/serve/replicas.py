@@ -58,14 +58,12 @@ def _deployment():
 
         def __serve_build_asgi_app__(self):
             # Runs on the replica: the model is loaded there, never on the driver.
+            from skipkv.hardware import set_threads
             from skipkv.models import load_model
             from skipkv.serve.app import create_app
 
             spec = self.spec
-            if spec.threads:
-                import torch
-
-                torch.set_num_threads(spec.threads)
+            set_threads(spec.threads)
             replica = serve.get_replica_context().replica_id.unique_id
             bundle = load_model(spec.model, dtype=spec.dtype)
             return create_app(bundle, spec.policy, spec.engine, spec.settings, replica=replica)
