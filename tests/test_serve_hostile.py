@@ -102,7 +102,7 @@ def test_non_streaming_client_that_disconnects_is_aborted_at_once(guarded_server
         sock.close()
         gone = time.monotonic()
         while counter(metrics(url), "abort") == counter(before, "abort"):
-            assert time.monotonic() - gone < 0.4, "the request was not aborted within 0.4 s of the disconnect"
+            assert time.monotonic() - gone < 1.0, "the request was not aborted within 1 s of the disconnect"
             time.sleep(0.01)
         after = metrics(url)
     finally:
@@ -165,7 +165,7 @@ def test_bounded_shutdown_with_a_client_that_never_sends_its_body():
         handle["thread"].join(10)
         took = time.monotonic() - t0
         sock.close()
-    assert not handle["thread"].is_alive() and took < 4, took  # shutdown_timeout 1 s + startup of the drain
+    assert not handle["thread"].is_alive() and took < 6, took  # shutdown_timeout 1 s, then the engine thread stops
     assert not app.state.worker.alive
 
 
@@ -175,7 +175,7 @@ def test_tokenizing_does_not_block_the_event_loop(guarded_server, monkeypatch):
     real = protocol.encode_prompt
 
     def slow_encode(tokenizer, prompt):
-        time.sleep(1.5)  # a huge prompt on a real tokenizer
+        time.sleep(3.0)  # a huge prompt on a real tokenizer
         return real(tokenizer, prompt)
 
     monkeypatch.setattr(protocol, "encode_prompt", slow_encode)
@@ -186,7 +186,7 @@ def test_tokenizing_does_not_block_the_event_loop(guarded_server, monkeypatch):
     time.sleep(0.3)
     t0 = time.monotonic()
     assert httpx.get(url + "/health", timeout=10).status_code == 200
-    assert time.monotonic() - t0 < 0.5  # not behind the 1.5 s tokenization
+    assert time.monotonic() - t0 < 1.5  # not behind the 3 s tokenization
     t.join(20)
     assert result["r"].status_code == 200
 

@@ -250,6 +250,10 @@ class Soak:
                                                    if t - self.samples[0][0] <= 60), default=0)),
             "rss_peak_bytes": int(max(rss + [end.get("skipkv_process_peak_resident_bytes", 0)], default=0)),
             "rss_end_bytes": int(end.get("skipkv_process_resident_bytes", 0)),
+            # the largest sample in each minute: flat after warm-up means bounded
+            "rss_by_minute_bytes": [int(max(m.get("skipkv_process_resident_bytes", 0) for t, m in self.samples
+                                            if int((t - self.samples[0][0]) // 60) == k))
+                                    for k in sorted({int((t - self.samples[0][0]) // 60) for t, _ in self.samples})],
             "end": {k: int(end[k]) for k in ("skipkv_requests_running", "skipkv_requests_waiting",
                                               "skipkv_kv_reserved_bytes", "skipkv_kv_held_bytes",
                                               "skipkv_kv_allocated_bytes")},
@@ -268,6 +272,7 @@ def print_table(url: str, model: str, rep: dict) -> None:
     print(f"server responses by code: {rep['server_responses_by_code']}")
     print(f"server RSS: start {mib(rep['rss_start_bytes'])}, max in the first minute "
           f"{mib(rep['rss_first_minute_max_bytes'])}, peak {mib(rep['rss_peak_bytes'])}, end {mib(rep['rss_end_bytes'])}")
+    print("server RSS, largest sample per minute (MiB): " + " ".join(f"{b / 2**20:.0f}" for b in rep["rss_by_minute_bytes"]))
     e = rep["end"]
     print(f"at the end: running {e['skipkv_requests_running']}, waiting {e['skipkv_requests_waiting']}, KV reserved "
           f"{e['skipkv_kv_reserved_bytes']} B, held {e['skipkv_kv_held_bytes']} B, allocated {e['skipkv_kv_allocated_bytes']} B")

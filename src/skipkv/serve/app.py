@@ -157,7 +157,7 @@ def _prometheus(m: dict[str, int], statuses: Counter, replica: str = "") -> str:
             "abort = client gone, error)", "# TYPE skipkv_requests_total counter"]
     out += [f'skipkv_requests_total{{finish_reason="{k}"}} {m[f"finished_{k}"]}' for k in FINISH_LABELS]
     out += ["# HELP skipkv_http_responses_total HTTP responses by status code (4xx: the client's fault or a full "
-            "queue, 5xx: the server's)", "# TYPE skipkv_http_responses_total counter"]
+            "queue; 499: the client went away first; 5xx: the server's)", "# TYPE skipkv_http_responses_total counter"]
     out += [f'skipkv_http_responses_total{{code="{code}"}} {n}' for code, n in sorted(statuses.items())]
     if replica:
         out += ["# HELP skipkv_replica_info the replica these figures are from", "# TYPE skipkv_replica_info gauge",
