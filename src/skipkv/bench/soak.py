@@ -236,7 +236,8 @@ class Soak:
         rss = [m.get("skipkv_process_resident_bytes", 0) for _, m in self.samples]
         status = lambda m, code: m.get(f'skipkv_http_responses_total{{code="{code}"}}', 0)  # noqa: E731
         codes = sorted({k[k.index('"') + 1:k.rindex('"')] for k in end if k.startswith("skipkv_http_responses_total")})
-        aborted = end['skipkv_requests_total{finish_reason="abort"}'] - start['skipkv_requests_total{finish_reason="abort"}']
+        aborts = 'skipkv_requests_total{finish_reason="abort"}'
+        aborted = end[aborts] - start[aborts]
         q = lambda p: round(percentile(self.latency, p), 4) if self.latency else None  # noqa: E731
         return {
             "seconds": round(wall, 1), "clients": CLIENTS, "hang_s": HANG_S,
@@ -271,11 +272,14 @@ def print_table(url: str, model: str, rep: dict) -> None:
     print(f"5xx: {rep['five_xx']}   hung: {rep['hung']}   aborted by the server: {rep['server_aborted']}")
     print(f"server responses by code: {rep['server_responses_by_code']}")
     print(f"server RSS: start {mib(rep['rss_start_bytes'])}, max in the first minute "
-          f"{mib(rep['rss_first_minute_max_bytes'])}, peak {mib(rep['rss_peak_bytes'])}, end {mib(rep['rss_end_bytes'])}")
-    print("server RSS, largest sample per minute (MiB): " + " ".join(f"{b / 2**20:.0f}" for b in rep["rss_by_minute_bytes"]))
+          f"{mib(rep['rss_first_minute_max_bytes'])}, peak {mib(rep['rss_peak_bytes'])}, "
+          f"end {mib(rep['rss_end_bytes'])}")
+    per_minute = " ".join(f"{b / 2**20:.0f}" for b in rep["rss_by_minute_bytes"])
+    print("server RSS, largest sample per minute (MiB): " + per_minute)
     e = rep["end"]
     print(f"at the end: running {e['skipkv_requests_running']}, waiting {e['skipkv_requests_waiting']}, KV reserved "
-          f"{e['skipkv_kv_reserved_bytes']} B, held {e['skipkv_kv_held_bytes']} B, allocated {e['skipkv_kv_allocated_bytes']} B")
+          f"{e['skipkv_kv_reserved_bytes']} B, held {e['skipkv_kv_held_bytes']} B, "
+          f"allocated {e['skipkv_kv_allocated_bytes']} B")
 
 
 def run_soak(url: str, minutes: float, api_key: str | None, out: str | None, seed: int = 0) -> dict:

@@ -57,7 +57,9 @@ class DisconnectAwareStream(StreamingResponse):
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.body_iterator.aclose()
+            aclose = getattr(self.body_iterator, "aclose", None)  # an async generator's; the type does not say
+            if aclose is not None:
+                await aclose()
             self.on_exit()
 
 

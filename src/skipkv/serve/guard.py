@@ -15,6 +15,7 @@ closing them at once. The body's deadline is the app's (app.read_body answers 40
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import uvicorn
@@ -34,7 +35,7 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._header_timer = None
+        self._header_timer: asyncio.TimerHandle | None = None
         if len(self.connections) > self.max_connections:
             log.warning("refusing a connection: %d are open (--max-connections)", len(self.connections) - 1)
             transport.close()  # connection_lost removes it from the set
@@ -59,8 +60,9 @@ class GuardedH11(H11Protocol):
             self._arm()  # the next request's headers on this keep-alive connection get the same deadline
 
     def connection_lost(self, exc) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            self._header_timer.cancel()
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
         super().connection_lost(exc)
 
 
@@ -73,4 +75,4 @@ def guarded(settings: ServerSettings) -> type[GuardedH11]:
 def server_config(app, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """The uvicorn config of a skipkv server: guarded connections and a bounded shutdown drain."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=guarded(settings),
-                          timeout_graceful_shutdown=settings.shutdown_timeout)
+                          timeout_graceful_shutdown=settings.shutdown_timeout)  # type: ignore[arg-type]

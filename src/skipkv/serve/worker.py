@@ -9,7 +9,8 @@ queue through `loop.call_soon_threadsafe`: ("accepted",), ("tokens", [ids]), ("d
 ("error", status, message). Concurrent clients share the engine's batch (continuous batching).
 
 The queue limit counts only requests that truly wait for a slot: a new request is judged after the engine
-step that follows its arrival (the step admits what fits). Admission is first come, first served (the server turns batch grouping off),
+step that follows its arrival (the step admits what fits). Admission is first come, first served (the server
+turns batch grouping off),
 so the engine's W waiting requests are the W newest live ones; a new one among them beyond `max_queue` is
 dropped with HTTP 429, any other is accepted. Requests that merely sat in the inbox while the engine
 stepped, or that a free slot takes at once, never count.
@@ -185,6 +186,7 @@ class EngineWorker:
             job = self._jobs.pop(res.request_id, None)
             if job is not None:
                 done[res.request_id] = (job, res)
+        assert out.stats is not None  # every step reports the engine's stats
         self._judge(out.stats.waiting, [job for job, _ in done.values()])
         # Metrics first: a client that has its answer reads /metrics that already count it.
         self._publish()
