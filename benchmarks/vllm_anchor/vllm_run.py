@@ -72,7 +72,12 @@ def main() -> None:
                       "memory_utilization": args.memory_utilization, "threads": torch.get_num_threads(),
                       "load_s": round(load_s, 1), "tokens_per_s": generated / wall, "generated_tokens": generated,
                       "wall_s": wall, "max_batch": max_batch, "finished": finished, "steps": steps}))
-    os._exit(0)  # vLLM's engine-core process and threads can keep a clean exit waiting
+    # vLLM's engine-core and worker processes can keep a clean exit waiting, and outlive os._exit: end them first.
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(0)
 
 
 if __name__ == "__main__":
