@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 
 from skipkv.config import SamplingParams
+from skipkv.engine.memory import Plan
+from skipkv.policies.base import Policy
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
@@ -83,6 +85,9 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     eos_ids: frozenset[int]
+    # The policy this request runs under, set once when the request is made (engine.new_request, from the
+    # engine's policy and the request's own budget, Policy.for_request); nothing else picks a request's policy.
+    policy: Policy
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     peak_kv_tokens: int = 0
@@ -99,9 +104,7 @@ class Request:
     allocated_kv_bytes: int = 0
     trace: object | None = None  # RequestTrace, created at the first compression when tracing
     request_id: str = ""
-    policy: object | None = None  # the policy this request runs under (its own lower budget, if it asked for one)
-    reserve: int = 0  # slot entries reserved per layer (see scheduler.reservation)
-    layer_reserve: torch.Tensor | None = None  # [L] entries each layer may need (policy.layer_capacity), host
+    plan: Plan | None = None  # its memory bounds per layer (engine/memory.py), set when it is queued
     arrived: float = field(default_factory=time.perf_counter)  # add_request time
     first_token_at: float = 0.0
     last_token_at: float = 0.0
