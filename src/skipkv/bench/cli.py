@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from skipkv.errors import SkipKVError
+from skipkv.hardware import set_threads
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -22,6 +23,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     from skipkv.bench.decode import DecodeBenchConfig, run_bench
 
     # Everything is checked here (policies, knobs, lengths, --out) before the model loads.
@@ -34,6 +36,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     from skipkv.bench.fidelity import run_fidelity
     from skipkv.policies import parse_policy_spec
 
@@ -61,6 +64,7 @@ def _batches(text: str) -> list[int]:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     from skipkv.bench.throughput import run_bench
     from skipkv.policies import POLICIES
 
@@ -113,7 +117,8 @@ def register(sub) -> None:
     d.add_argument("--interval", type=int, default=128)
     d.add_argument("--window", type=int, default=8)
     d.add_argument("--batch-size", type=int, default=1)
-    d.add_argument("--dtype", default="bf16")
+    d.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     d.add_argument("--span", type=int, default=64, help="steps before each length whose median is reported")
     d.add_argument("--out", help="write the JSON report here")
     d.set_defaults(func=cmd_decode)
@@ -126,7 +131,8 @@ def register(sub) -> None:
     f.add_argument("--budget-ratio", type=float, default=0.1, help="budget per layer as a fraction of the prompt")
     f.add_argument("--examples", type=int, default=1, help="examples per length (niah: the first depths)")
     f.add_argument("--window", type=int, default=32, help="observation queries compared (the last prompt tokens)")
-    f.add_argument("--dtype", default="bf16")
+    f.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    f.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     f.add_argument("--out", help="write the JSON report here (and a PNG plot beside it)")
     f.set_defaults(func=cmd_fidelity)
     t = bsub.add_parser("throughput", help="tokens/s of each policy under one KV memory cap (+ batch sweep)")
@@ -144,7 +150,8 @@ def register(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
     t.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per request per step (0 = whole)")
     t.add_argument("--prefill-budget", type=int, default=0, help="prompt tokens per step at most (0 = no limit)")
-    t.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA, fp32 on CPU), bf16, fp32, fp16")
+    t.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    t.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     t.add_argument("--device", help="cpu, cuda (default: the loader's)")
     t.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     t.add_argument("--out", help="write the JSON report here (checked writable before running)")

@@ -13,7 +13,6 @@ Ratios between policies come from the same run and the same moments, since this 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -99,11 +98,6 @@ def bench_policies(bundle, policies: list, prompt: str, lengths: list[int], batc
     return [lane.finish(lengths, span) for lane in lanes]
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
-
-
 def format_table(runs: list[PolicyRun], lengths: list[int]) -> str:
     head = "| policy | " + " | ".join(f"step ms @{L}" for L in lengths) + " | KV entries @max | peak KV MiB | compress share | tok/s |"
     sep = "|" + "---|" * (len(lengths) + 5)
@@ -126,7 +120,7 @@ class DecodeBenchConfig:
     interval: int = knob(128, "compress every this many tokens", gt=0)
     window: int = knob(8, "recent tokens always kept", ge=0)
     batch_size: int = knob(1, "requests decoded together (each one materialised)", gt=0, le=4096)
-    dtype: str = "bf16"
+    dtype: str = "auto"
     span: int = knob(64, "steps before each length whose median is reported", gt=0)
     out: str | None = knob(None, "JSON report path", kind=str)
 
@@ -152,6 +146,7 @@ class DecodeBenchConfig:
 
 def run_bench(cfg: DecodeBenchConfig) -> dict:
     """Run the benchmark of `cfg`, print its table, write its JSON report to cfg.out (atomically) if given."""
+    from skipkv.hardware import environment
     from skipkv.models import load_model
 
     made = cfg.make_policies()
@@ -161,9 +156,9 @@ def run_bench(cfg: DecodeBenchConfig) -> dict:
     runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span)
     table = format_table(runs, lengths)
     print(table)
-    report = {"model": cfg.model, "dtype": cfg.dtype, "batch_size": cfg.batch_size, "budget": cfg.budget,
+    report = {"model": cfg.model, "dtype": str(bundle.dtype).removeprefix("torch."), "batch_size": cfg.batch_size, "budget": cfg.budget,
               "interval": cfg.interval, "window": cfg.window, "lengths": lengths, "span": cfg.span,
-              "machine": machine(), "runs": [r.__dict__ for r in runs], "table": table}
+              "machine": environment(bundle.dtype_choice), "runs": [r.__dict__ for r in runs], "table": table}
     if cfg.out:
         out = check_file(cfg.out, "--out")  # again: the place may have changed while the benchmark ran
         out.parent.mkdir(parents=True, exist_ok=True)

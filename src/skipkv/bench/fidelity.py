@@ -26,7 +26,6 @@ Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 from pathlib import Path
 
@@ -94,7 +93,6 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
                  needle: list[int] | None = None) -> dict[str, dict[str, list]]:
     """Per policy label: {"cosine": the per-layer mean cosine similarity [L], and with `needle` positions,
     "needle": per-layer retention [L] and "needle_whole": per-layer all-heads-hold-it flags [L]} on one prompt."""
-    from skipkv.policies import make_policy
 
     layers = bundle.model.model.layers
     shared = max(window, capture_window([p for p in policies.values() if shares_prefill(p)]))
@@ -179,6 +177,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
                  examples: int, window: int, dtype: str, out: str | None, prompt_style: str = "chat") -> dict:
     from skipkv.eval import prompts
     from skipkv.eval.datasets import data_request, get_dataset
+    from skipkv.hardware import environment
     from skipkv.models import load_model
     from skipkv.policies import parse_policy_spec
 
@@ -218,8 +217,8 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     table = format_table(results, lengths)
     print(table)
     report = {"model": model, "dataset": dataset, "lengths": lengths, "budget_ratio": budget_ratio,
-              "window": window, "dtype": dtype, "examples_per_length": examples,
-              "machine": {"host": platform.node(), "cpu": platform.processor(), "torch": torch.__version__},
+              "window": window, "dtype": str(bundle.dtype).removeprefix("torch."), "examples_per_length": examples,
+              "machine": environment(bundle.dtype_choice),
               "results": results, "table": table}
     if out:
         path = Path(out)

@@ -332,25 +332,16 @@ def check_writable(path: str | None) -> None:
         raise SkipKVError(f"--out {path} is not writable")
 
 
-def machine() -> dict:
-    from skipkv.bench.decode import machine as m
-
-    info = m()
-    if torch.cuda.is_available():
-        info["cuda"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_memory: int, knobs: dict,
               batch_size: int | None = None, batch_sweep: list[int] | None = None, hf_reference: bool = False,
               max_new_tokens: int | None = None, prefill_chunk: int = 0, prefill_budget: int = 0,
               dtype: str = "auto", device: str | None = None, seed: int = 0, out: str | None = None,
               plot_path: str | None = None, max_seconds: float | None = None, bundle=None,
               repeats: int = 1) -> Report:
-    from skipkv.models import auto_dtype, load_model, resolve_dtype
+    from skipkv.hardware import environment, resolve_auto
+    from skipkv.models import load_model, resolve_dtype
 
-    if dtype == "auto":
-        dtype = auto_dtype(bundle.device if bundle is not None else device)
+    dtype, choice = resolve_auto(dtype, bundle.device if bundle is not None else (device or "cpu"))
     resolve_dtype(dtype)
     from skipkv.policies import make_policy
 
@@ -378,7 +369,7 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
                          "max_new_tokens": work.sampling[0].max_new_tokens, "seed": seed, "batch_sweep": sweep,
                          "max_seconds": max_seconds,
                          "device": str(bundle.device)},
-                 machine=machine())
+                 machine=environment(choice))
     if kv_memory or not sweep:
         for name, policy in made.items():
             r = run_engine(bundle, policy, work, engine_cfg, name, max_seconds)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from skipkv.config import EngineConfig, SamplingParams, parse_bytes
 from skipkv.errors import SkipKVError
+from skipkv.hardware import set_threads
 
 _SAMPLING_DEFAULTS = SamplingParams()
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the offline real model (`skipkv models pull`)
@@ -74,7 +75,9 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"hub id, local folder, .gguf file, pulled name, or random:<family>[:size] (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="bf16", help="bf16 (default; fast on CPUs with AMX), fp32, fp16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
                    help="prefill long prompts this many tokens at a time (0 = whole)")
@@ -138,7 +141,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
                           prefill_budget=args.prefill_budget)
     prompts = read_prompts(args)
+    threads = set_threads(args.threads)
     bundle = load_model(args.model, dtype=args.dtype)
+    # What ran, once per request row: the dtype (and, for auto, why this machine got it) and the threads.
+    ran = {"dtype": str(bundle.dtype).removeprefix("torch."), "torch_threads": threads,
+           "dtype_reason": bundle.dtype_choice.reason if bundle.dtype_choice else "requested"}
     if not args.raw and getattr(bundle.tokenizer, "chat_template", None):
         prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                         add_generation_prompt=True) for p in prompts]
@@ -149,6 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             row.pop("token_ids")
             row.pop("trace")  # only `generate(..., trace=True)` fills it; the JSON lines stay as they were
             row.update(row.pop("extra"))  # the policy's own figures, flat (e.g. flagged_sentences)
+            row.update(ran)
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
     results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)

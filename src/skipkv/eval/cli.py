@@ -46,7 +46,9 @@ def _defaults() -> dict[str, Any]:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from skipkv.eval.runner import SUMMARY_FILE, EvalConfig, run_eval
+    from skipkv.hardware import set_threads
 
+    set_threads(args.threads)
     knobs = {k[len("knob_"):]: v for k, v in vars(args).items() if k.startswith("knob_") and v is not None}
     budget = knobs.pop("budget", None)
     data_options = {"source": args.source, "data": args.data, "lengths": args.lengths, "depths": args.depths,
@@ -108,7 +110,8 @@ def register(sub) -> None:
                    help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
     p.add_argument("--kv-memory", type=kv_memory_arg, help="KV cache memory cap, e.g. 2GiB (default: no cap)")
     p.add_argument("--prompt-style", choices=STYLES, help=f"default {d['prompt_style']}")
-    p.add_argument("--dtype", help=f"default {d['dtype']}")
+    p.add_argument("--dtype", help=f"default {d['dtype']}: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, else fp32")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.add_argument("--device", help=f"default {d['device']}")
     p.add_argument("--source", choices=("local", "hub"), help="local (packaged or --data) or hub (needs `datasets`)")
     p.add_argument("--data", help="a JSONL in the packaged schema, or a haystack .txt for long-context sets")

@@ -71,12 +71,9 @@ import hashlib
 import inspect
 import json
 import os
-import platform
-import subprocess
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -145,6 +142,9 @@ class EvalConfig:
     grader_options: Mapping[str, Any] = field(default_factory=dict)  # fields of the dataset's grader, e.g. timeout_s
     quiet: bool = False
     trace: bool = False  # also write traces.jsonl for `skipkv show` (does not change results)
+    # Set from dtype: "auto" resolves to this machine's dtype at once (the run's identity names the dtype that
+    # ran), and this keeps why; "requested" when a dtype was given.
+    dtype_reason: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "dataset", "policy", "dtype", "device"):
@@ -169,10 +169,14 @@ class EvalConfig:
             raise SkipKVError("the budget is given twice (policy knobs and budget/budget_ratio)")
         if self.reference is not None and self.budget_ratio is None:
             raise SkipKVError("--reference is only used with --budget-ratio")
+        from skipkv.hardware import resolve_auto
         from skipkv.models import check_device, resolve_dtype
 
-        resolve_dtype(self.dtype)
         check_device(self.device)
+        dtype, choice = resolve_auto(self.dtype, self.device)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "dtype_reason", choice.reason if choice else "requested")
+        resolve_dtype(self.dtype)
         check_dir(self.out, "--out")
         # The policy and its knobs. A ratio's budget is only known later (from the reference run or each
         # prompt's length); a large one stands in, so rules like budget > window do not refuse a valid setup.
@@ -251,40 +255,10 @@ def _make_grader(cfg: EvalConfig, dataset: Dataset) -> Grader:
     return cls(**cfg.grader_options)
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def _environment() -> dict[str, Any]:
-    import torch
+    from skipkv.hardware import environment
 
-    versions = {}
-    for pkg in ("skipkv", "torch", "transformers", "tokenizers", "math-verify", "numpy"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    if versions["skipkv"] is None:  # running from a source tree that is not installed
-        import skipkv
-
-        versions["skipkv"] = skipkv.__version__
-    versions["python"] = platform.python_version()
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   cpu)
-    machine = {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-               "torch_threads": torch.get_num_threads(),
-               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        machine["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"git_revision": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
-            "versions": versions, "machine": machine, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return environment()
 
 
 def _jsonable(obj: Any) -> Any:
@@ -506,7 +480,7 @@ def _open_run(cfg: EvalConfig, plan: _Plan, bundle: Any, created: list, shared_p
         "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
                       "kv_memory": cfg.kv_memory, "out": str(plan.out), "reference_dir": cfg.reference}
         | ({"shared_prefill": True} if shared_prefill else {}),
-        "environment": _environment(), "config_version": CONFIG_VERSION,
+        "environment": _environment() | {"dtype_reason": cfg.dtype_reason}, "config_version": CONFIG_VERSION,
     })
     _check_or_write_config(plan.out, config)
     created.clear()  # the folder now holds a run: keep it whatever happens next

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import torch
 
 from skipkv.errors import SkipKVError
+from skipkv.hardware import DtypeChoice, resolve_auto
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -32,6 +33,7 @@ class ModelBundle:
     tokenizer: object  # an HF tokenizer
     name: str
     family: str
+    dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
 
     @property
     def config(self):
@@ -56,22 +58,20 @@ def home() -> Path:
 
 
 def auto_dtype(device: str | torch.device | None) -> str:
-    """The throughput dtype for a device: bf16 on CUDA, fp32 on CPU.
+    """The throughput dtype for a device on this machine (bf16 on CUDA and on CPUs with native bf16, else fp32);
+    `skipkv.hardware.choose_dtype` gives the reason too."""
+    from skipkv.hardware import choose_dtype
 
-    Most CPUs have no native bf16 matmul (no AVX512-BF16/AMX), so torch emulates it: on this project's 2-core
-    EPYC a random 0.5B decode step took 146/239/434/831/1856 ms at batch 1/2/4/8/16 in bf16 (compute-bound from
-    batch 4) against 257/438/535/594/580 ms in fp32 (docs/benchmarks.md): bf16 wins at batch 1-2, where reading
-    the weights dominates, and loses 1.4-3x from batch 8 on, which is where a throughput benchmark runs. In fp32
-    the weights and every KV entry cost twice the bytes, so a KV memory cap holds half as many entries.
-    """
-    return "bf16" if device is not None and str(device).startswith("cuda") else "fp32"
+    return choose_dtype(device).dtype
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        dtype = auto_dtype(device)
     if dtype not in DTYPES:
-        raise SkipKVError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+        raise SkipKVError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -154,10 +154,16 @@ def _check_weights(source: Path, gguf_file: str | None) -> None:
             raise SkipKVError(f"{path} is not a complete safetensors file ({str(exc).splitlines()[0][:120]})") from None
 
 
-def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu", seed: int = 0) -> ModelBundle:
-    """Load `name` (see module docstring) for inference, in eval mode, on `device`."""
-    torch_dtype = resolve_dtype(dtype)
+def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu", seed: int = 0) -> ModelBundle:
+    """Load `name` (see module docstring) for inference, in eval mode, on `device`.
+
+    dtype "auto" (the default) is bf16 on CUDA and on CPUs with native bf16 matmul, fp32 elsewhere
+    (`skipkv.hardware`); the bundle's `dtype_choice` records what was picked and why."""
     check_device(device)
+    choice = None
+    if isinstance(dtype, str):
+        dtype, choice = resolve_auto(dtype, device)
+    torch_dtype = resolve_dtype(dtype)
     if not isinstance(name, str) or not name.strip():
         raise SkipKVError(f"model must be a non-empty name or path, got {name!r}")
     if name.startswith("random:"):
@@ -165,7 +171,7 @@ def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu"
 
         model, tokenizer, family = build_random(name, torch_dtype, seed=seed)
         check_attention_layout(model.config, name)
-        return ModelBundle(model.to(device).eval(), tokenizer, name, family)
+        return ModelBundle(model.to(device).eval(), tokenizer, name, family, choice)
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -213,4 +219,4 @@ def load_model(name: str, dtype: str | torch.dtype = "bf16", device: str = "cpu"
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise SkipKVError(f"cannot load model {name!r}: {str(exc).splitlines()[0][:200]}") from None
-    return ModelBundle(model.to(device).eval(), tokenizer, name, family)
+    return ModelBundle(model.to(device).eval(), tokenizer, name, family, choice)

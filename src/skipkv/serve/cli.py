@@ -12,6 +12,7 @@ import argparse
 
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
+from skipkv.hardware import set_threads
 
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
@@ -36,10 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefill_budget=args.prefill_budget, group_by_length=False)
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key or "",
                               max_tokens_cap=args.max_tokens_cap, max_queue=args.max_queue)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     bundle = load_model(args.model, dtype=args.dtype)
     app = create_app(bundle, policy, engine, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -61,6 +59,5 @@ def register(sub) -> None:
     d = ServerSettings()
     s.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests at most; more get HTTP 429")
     s.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="max_tokens allowed per request at most")
-    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)

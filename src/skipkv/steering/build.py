@@ -130,7 +130,7 @@ def build_from_chains(bundle, chains: list[tuple[str, list[int], list[int]]], la
 
 
 def build(model: str, dataset: str, layers: list[int], out: str, limit: int, offset: int = 0,
-          max_new_tokens: int = 256, prompt_style: str = "chat", dtype: str = "bf16", batch_size: int = 8) -> dict:
+          max_new_tokens: int = 256, prompt_style: str = "chat", dtype: str = "auto", batch_size: int = 8) -> dict:
     """The whole command: chains -> vectors -> file at `out`. Returns the metadata written."""
     from skipkv.config import EngineConfig, SamplingParams
     from skipkv.engine import generate
@@ -161,7 +161,7 @@ def build(model: str, dataset: str, layers: list[int], out: str, limit: int, off
               for ex, p, r in zip(examples, ids, results)]
     vectors, meta = build_from_chains(bundle, chains, sorted(set(layers)))
     meta = {"model": model, "dataset": dataset, "offset": offset, "limit": limit, "max_new_tokens": max_new_tokens,
-            "prompt_style": prompt_style, "dtype": dtype,
+            "prompt_style": prompt_style, "dtype": str(bundle.dtype).removeprefix("torch."),
             "recipe": "mean(reflection+transition) - mean(execution), hidden entering the layer at the \\n\\n "
                       "token before each step; SEAL keyword classes", **meta}
     SteeringFile.save(out, vectors, meta)

@@ -39,6 +39,6 @@ def register(sub) -> None:
     b.add_argument("--out", required=True, help="output .safetensors file")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--prompt-style", default="chat", choices=("chat", "raw"))
-    b.add_argument("--dtype", default="bf16")
+    b.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
     b.add_argument("--batch-size", type=int, default=8)
     b.set_defaults(func=cmd_build)

@@ -1,0 +1,126 @@
+"""skipkv against vLLM's CPU engine on one workload: back to back, alternating, several rounds, one JSON.
+
+    bash benchmarks/vllm_anchor/setup_venv.sh                       # once: vLLM in its own venv
+    python benchmarks/vllm_anchor/compare.py --workload gsm8k --requests 16 --max-tokens 128 --rounds 3 \\
+        --arm skipkv:full --arm vllm --out docs/results/vllm_anchor/gsm8k_16x128.json
+    python benchmarks/vllm_anchor/compare.py --workload synthetic:128x4096 --requests 64 --window-s 600 \\
+        --kv-cap-gib 1 --arm vllm --arm skipkv:full --arm skipkv:rkv:budget=256 --rounds 1 --out ...
+
+An arm is `vllm` or `skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]` (`cap=0`: no KV memory cap for this
+arm, e.g. the physical ceiling: the full cache uncapped at the batch rkv reaches). Every run is a fresh process
+(model load and warm-up untimed) on the same token ids; the arms' order rotates each round so drift on a shared
+machine hits all of them alike. The JSON keeps every run, each arm's median tokens/s and its ratio to vLLM's
+median, and the machine (processor, flags, load average). A benchmark, not a test: CI does not install vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def default_venv() -> Path:
+    return Path(os.environ.get("SKIPKV_HOME", Path.home() / ".cache" / "skipkv")) / "vllm-venv"
+
+
+def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]:
+    if arm == "vllm":
+        cmd = [str(args.venv / "bin" / "python"), str(HERE / "vllm_run.py"), str(workload)]
+        if args.kv_cap_gib:
+            cmd += ["--kv-space-gib", f"{args.kv_cap_gib:g}"]
+        if args.window_s:
+            cmd += ["--window-s", str(args.window_s)]
+        return cmd
+    parts = arm.split(":")
+    if parts[0] != "skipkv" or len(parts) < 2:
+        sys.exit(f"compare.py: error: bad arm {arm!r}; use vllm or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
+    opts = dict(p.split("=", 1) for p in parts[2:])
+    cmd = [sys.executable, str(HERE / "skipkv_run.py"), str(workload), "--policy", parts[1]]
+    for key in ("budget", "interval"):
+        if key in opts:
+            cmd += [f"--{key}", opts[key]]
+    if "batch" in opts:
+        cmd += ["--batch-size", opts["batch"]]
+    if args.kv_cap_gib and opts.get("cap") != "0":
+        cmd += ["--kv-memory", f"{int(args.kv_cap_gib * 2**30)}"]
+    if args.window_s:
+        cmd += ["--window-s", str(args.window_s)]
+    return cmd
+
+
+def run_once(arm: str, cmd: list[str]) -> dict:
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"compare.py: error: {arm} failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+    out = json.loads(line)
+    out["arm"] = arm
+    out["started"] = t0
+    out["loadavg_after"] = os.getloadavg()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--workload", default="gsm8k")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--arm", action="append", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--window-s", type=float, help="cut each run after this many seconds (rates over the window)")
+    ap.add_argument("--kv-cap-gib", type=float, help="KV memory for both: VLLM_CPU_KVCACHE_SPACE and skipkv --kv-memory")
+    ap.add_argument("--venv", type=Path, default=default_venv())
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if "vllm" in args.arm and not (args.venv / "bin" / "python").exists():
+        sys.exit(f"compare.py: error: no vLLM venv at {args.venv}; run benchmarks/vllm_anchor/setup_venv.sh first")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workload = out.with_suffix(".workload.json")
+    cmd = [sys.executable, str(HERE / "workload.py"), "--model", args.model, "--workload", args.workload,
+           "--requests", str(args.requests), "--out", str(workload)]
+    if args.max_tokens:
+        cmd += ["--max-tokens", str(args.max_tokens)]
+    subprocess.run(cmd, check=True)
+    runs: list[dict] = []
+    for r in range(args.rounds):
+        order = args.arm[r % len(args.arm):] + args.arm[:r % len(args.arm)]
+        for arm in order:
+            res = run_once(arm, arm_command(arm, workload, args))
+            res["round"] = r
+            runs.append(res)
+            print(f"round {r} {arm}: {res['tokens_per_s']:.1f} tokens/s, batch {res['max_batch']}, "
+                  f"{res['generated_tokens']} tokens in {res['wall_s']:.0f} s", flush=True)
+    medians = {arm: statistics.median(x["tokens_per_s"] for x in runs if x["arm"] == arm) for arm in args.arm}
+    base = medians.get("vllm")
+    summary = {arm: {"median_tokens_per_s": m, "vs_vllm": (m / base if base else None),
+                     "max_batch": max(x["max_batch"] for x in runs if x["arm"] == arm),
+                     "tokens_per_s_each": [round(x["tokens_per_s"], 2) for x in runs if x["arm"] == arm]}
+               for arm, m in medians.items()}
+    sys.path.insert(0, str(HERE.parents[1] / "src"))
+    from skipkv.hardware import environment
+
+    report = {"workload": args.workload, "requests": args.requests, "max_tokens": args.max_tokens,
+              "window_s": args.window_s, "kv_cap_gib": args.kv_cap_gib, "rounds": args.rounds, "arms": args.arm,
+              "summary": summary, "runs": runs, "environment": environment()}
+    out.write_text(json.dumps(report, indent=1))
+    workload.unlink()
+    print(f"{'arm':32s} {'tokens/s (median)':>18s} {'vs vLLM':>8s} {'batch':>6s}")
+    for arm, s in summary.items():
+        ratio = f"{s['vs_vllm']:.2f}" if s["vs_vllm"] else "-"
+        print(f"{arm:32s} {s['median_tokens_per_s']:18.1f} {ratio:>8s} {s['max_batch']:6d}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Run a workload file (workload.py) through vLLM's CPU engine and print one JSON line of rates.
+
+    ~/.cache/skipkv/vllm-venv/bin/python benchmarks/vllm_anchor/vllm_run.py /tmp/w.json [--window-s 300]
+        [--dtype bfloat16] [--kv-space-gib 1]
+
+Runs in vLLM's own venv (setup_venv.sh), never imports skipkv. vLLM keeps its defaults except what is given:
+--kv-space-gib sets VLLM_CPU_KVCACHE_SPACE (1 is its smallest CPU KV space). All requests are added at once
+and the engine is stepped until they finish or --window-s passes; the rates cover what was timed. Model loading
+and a short warm-up are outside the timed part, as on the skipkv side. "max_batch" is the most requests that
+received a token in one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("workload")
+    ap.add_argument("--window-s", type=float)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-space-gib", type=float, help="VLLM_CPU_KVCACHE_SPACE (default: vLLM's)")
+    ap.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs (default: vLLM's)")
+    # On the CPU backend this is the share of the machine's memory vLLM checks is free at start (default 0.92):
+    # on a machine where other jobs hold memory its default refuses to start, so it is lowered; the KV space
+    # itself is VLLM_CPU_KVCACHE_SPACE.
+    ap.add_argument("--memory-utilization", type=float, default=0.3)
+    args = ap.parse_args()
+    if args.kv_space_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(open(args.workload).read())
+    t0 = time.perf_counter()
+    kwargs = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    kwargs["gpu_memory_utilization"] = args.memory_utilization
+    llm = LLM(model=spec["model_dir"], dtype=args.dtype, seed=0, **kwargs)
+    load_s = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p[:16]} for p in spec["prompt_ids"][:2]], warm, use_tqdm=False)
+
+    engine = llm.llm_engine
+    tokens: dict[str, int] = {}
+    finished = max_batch = steps = 0
+    t0 = time.perf_counter()
+    for i, ids in enumerate(spec["prompt_ids"]):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, greedy)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        advanced = 0
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n > tokens.get(o.request_id, 0):
+                advanced += 1
+            tokens[o.request_id] = n
+            finished += bool(o.finished)
+        max_batch = max(max_batch, advanced)
+        if args.window_s is not None and time.perf_counter() - t0 > args.window_s:
+            break
+    wall = time.perf_counter() - t0
+    generated = sum(tokens.values())
+    print(json.dumps({"engine": "vllm", "vllm": vllm.__version__, "torch": torch.__version__, "dtype": args.dtype,
+                      "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                      "memory_utilization": args.memory_utilization, "threads": torch.get_num_threads(),
+                      "load_s": round(load_s, 1), "tokens_per_s": generated / wall, "generated_tokens": generated,
+                      "wall_s": wall, "max_batch": max_batch, "finished": finished, "steps": steps}))
+    os._exit(0)  # vLLM's engine-core process and threads can keep a clean exit waiting
+
+
+if __name__ == "__main__":
+    main()

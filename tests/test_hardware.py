@@ -1,0 +1,99 @@
+"""`--dtype auto` follows the processor: bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), fp32
+elsewhere, and every JSON that reports figures says what was chosen and why. The capability is faked both ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from skipkv import hardware
+from skipkv.cli import main
+from skipkv.errors import SkipKVError
+from skipkv.models import load_model
+
+
+def fake_cpu(monkeypatch, *, avx512_bf16: bool | None, amx: bool | None) -> None:
+    """Make torch's CPU capability checks answer as given (None: this torch has no such check)."""
+    monkeypatch.delenv(hardware.OVERRIDE_ENV, raising=False)
+    for name, value in (("_is_avx512_bf16_supported", avx512_bf16), ("_is_amx_tile_supported", amx)):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value)
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,expected", [
+    (True, False, "bf16"),   # e.g. an EPYC (Zen 4) with AVX512-BF16 and no AMX
+    (False, True, "bf16"),   # AMX alone
+    (True, True, "bf16"),    # Sapphire Rapids
+    (False, False, "fp32"),  # AVX2-only or AVX512 without bf16: torch would emulate bf16
+])
+def test_choose_dtype_follows_the_capability(monkeypatch, avx512_bf16, amx, expected):
+    fake_cpu(monkeypatch, avx512_bf16=avx512_bf16, amx=amx)
+    choice = hardware.choose_dtype("cpu")
+    assert choice.dtype == expected
+    assert ("torch reports" in choice.reason) and (("neither" in choice.reason) == (expected == "fp32"))
+    assert hardware.choose_dtype("cuda").dtype == "bf16"  # the GPU answer does not ask the CPU
+
+
+@pytest.mark.parametrize("flags,expected", [("fpu avx2 avx512f avx512_bf16", "bf16"), ("fpu avx2 amx_bf16", "bf16"),
+                                            ("fpu avx2 avx512f", "fp32")])
+def test_proc_cpuinfo_when_torch_has_no_check(monkeypatch, tmp_path, flags, expected):
+    fake_cpu(monkeypatch, avx512_bf16=None, amx=None)
+    real_path = hardware.Path
+
+    class FakeCpuinfo(type(real_path())):
+        def read_text(self, *a, **k):
+            return f"model name\t: Some CPU\nflags\t\t: {flags}\n" if str(self) == "/proc/cpuinfo" else super().read_text(*a, **k)
+
+    monkeypatch.setattr(hardware, "Path", FakeCpuinfo)
+    choice = hardware.choose_dtype("cpu")
+    assert choice.dtype == expected and "/proc/cpuinfo" in choice.reason
+
+
+def test_override_env(monkeypatch):
+    fake_cpu(monkeypatch, avx512_bf16=True, amx=True)
+    monkeypatch.setenv(hardware.OVERRIDE_ENV, "0")
+    assert hardware.choose_dtype("cpu").dtype == "fp32" and "overridden" in hardware.choose_dtype().reason
+    monkeypatch.setenv(hardware.OVERRIDE_ENV, "yes")
+    with pytest.raises(SkipKVError, match="must be 0 or 1"):
+        hardware.choose_dtype("cpu")
+
+
+@pytest.mark.parametrize("native,expected,name", [(True, torch.bfloat16, "bf16"), (False, torch.float32, "fp32")])
+def test_load_model_auto_is_the_default_and_is_recorded(monkeypatch, native, expected, name):
+    fake_cpu(monkeypatch, avx512_bf16=native, amx=False)
+    bundle = load_model("random:qwen2")
+    assert bundle.dtype == expected
+    assert bundle.dtype_choice is not None and bundle.dtype_choice.dtype == name
+    assert load_model("random:qwen2", dtype="fp32").dtype_choice is None  # a requested dtype is not a choice
+
+
+@pytest.mark.parametrize("native,expected", [(True, "bfloat16"), (False, "float32")])
+def test_generate_json_says_what_ran(monkeypatch, capsys, native, expected):
+    fake_cpu(monkeypatch, avx512_bf16=native, amx=False)
+    assert main(["generate", "--model", "random:qwen2", "--policy", "full", "--max-new-tokens", "2", "--json",
+                 "--threads", "1", "Hello"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["dtype"] == expected and row["torch_threads"] == 1
+    assert ("neither" in row["dtype_reason"]) == (not native)
+    torch.set_num_threads(2)  # what conftest set
+
+
+@pytest.mark.parametrize("native,expected", [(True, "bf16"), (False, "fp32")])
+def test_bench_throughput_json_records_the_choice(monkeypatch, tmp_path, native, expected):
+    fake_cpu(monkeypatch, avx512_bf16=native, amx=False)
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--model", "random:qwen2", "--workload", "synthetic:8x4", "--requests", "2",
+                 "--policies", "full", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["dtype"] == expected
+    assert rep["machine"]["dtype_choice"]["dtype"] == expected
+    assert rep["machine"]["machine"]["native_bf16"] is native
+    assert rep["machine"]["machine"]["cpu"]
+
+
+def test_threads_must_not_be_negative():
+    assert main(["generate", "--model", "random:qwen2", "--threads", "-1", "Hi"]) == 2
