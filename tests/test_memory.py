@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_steering import write_vector
 
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.config import EngineConfig
@@ -21,7 +23,6 @@ from skipkv.engine import Engine, eos_ids
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.laprox import LaProx
-from test_steering import write_vector
 
 # One or more small settings per registered policy (phases, ratio and protected-prompt variants included).
 SPECS = {

@@ -58,7 +58,7 @@ class Plan:
     alone: torch.Tensor
 
 
-def trajectory(r: "Request", num_layers: int, chunk: int) -> torch.Tensor:
+def trajectory(r: Request, num_layers: int, chunk: int) -> torch.Tensor:
     """Entries each layer of `r` holds (at most) before each of its prompt chunks and after the last, [K + 1, L].
     Follows ModelRunner.prefill_step: a chunk is appended to every layer, then the policy compresses when
     `should_compress` (on the longest layer) says so, leaving each layer at most `prefill_keep`."""
@@ -75,7 +75,7 @@ def trajectory(r: "Request", num_layers: int, chunk: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def plan(r: "Request", num_layers: int, chunk: int) -> Plan:
+def plan(r: Request, num_layers: int, chunk: int) -> Plan:
     """`r`'s Plan under prefill chunks of `chunk` tokens (0 = whole prompts)."""
     M = r.sampling.max_new_tokens
     capacity = torch.tensor(r.policy.layer_capacity(num_layers, r.prompt_len, M), dtype=torch.long)
@@ -88,7 +88,7 @@ def plan(r: "Request", num_layers: int, chunk: int) -> Plan:
     return Plan(capacity, held, after, torch.maximum(stage.amax(dim=0), after))
 
 
-def staging(group: Sequence["Request"], chunk: int) -> torch.Tensor:
+def staging(group: Sequence[Request], chunk: int) -> torch.Tensor:
     """Entries [L] each layer must hold while `group` is prefilled together, chunk by chunk: per chunk, the
     most any row holds before it plus the chunk (padding rows are staged whole too, see KVStore.append)."""
     longest = max(r.prompt_len for r in group)
@@ -102,7 +102,7 @@ def staging(group: Sequence["Request"], chunk: int) -> torch.Tensor:
     return (held.amax(dim=0) + widths[:, None]).amax(dim=0)
 
 
-def slot_needs(lengths: torch.Tensor, running: Sequence["Request"]) -> torch.Tensor:
+def slot_needs(lengths: torch.Tensor, running: Sequence[Request]) -> torch.Tensor:
     """Entries [L, n] each decoding request in slots [0, n) may need per layer from now on: what it holds now
     (lengths [L, >=n]) plus the growth it may still see, bounded by its layer capacity."""
     held = lengths[:, :len(running)]
@@ -111,14 +111,14 @@ def slot_needs(lengths: torch.Tensor, running: Sequence["Request"]) -> torch.Ten
     return torch.maximum(held, torch.minimum(bound, held + remaining))
 
 
-def running_need(lengths: torch.Tensor, running: Sequence["Request"]) -> torch.Tensor:
+def running_need(lengths: torch.Tensor, running: Sequence[Request]) -> torch.Tensor:
     """Entries [L] each layer must hold for the decoding requests: the most any of them may need there."""
     if not running:
         return torch.zeros(lengths.shape[0], dtype=torch.long)
     return slot_needs(lengths, running).amax(dim=1)
 
 
-def group_bound(group: Sequence["Request"], chunk: int) -> torch.Tensor:
+def group_bound(group: Sequence[Request], chunk: int) -> torch.Tensor:
     """Entries [L] each layer may need for `group` from its admission on: its staging, then what any row may
     keep and grow to."""
     after = torch.stack([r.plan.after for r in group]).amax(dim=0)
@@ -132,7 +132,7 @@ class KVMemory:
     def __init__(self, num_layers: int, entry_bytes: int, chunk: int = 0, cap: int = 0) -> None:
         self.num_layers, self.entry_bytes, self.chunk, self.cap = num_layers, entry_bytes, chunk, cap
 
-    def plan(self, r: "Request") -> Plan:
+    def plan(self, r: Request) -> Plan:
         """Attach (once) and return `r`'s Plan."""
         if r.plan is None:
             r.plan = plan(r, self.num_layers, self.chunk)
@@ -142,24 +142,24 @@ class KVMemory:
         """K/V bytes of a store of `slots` slots with per-layer capacities `caps`."""
         return slots * int(sum(int(c) for c in caps)) * self.entry_bytes
 
-    def check(self, r: "Request") -> None:
+    def check(self, r: Request) -> None:
         """Plan `r`; SkipKVError when it can never fit under the cap, even alone."""
         need = self.store_bytes(1, self.plan(r).alone)
         if self.cap and need > self.cap:
             raise SkipKVError(f"request {r.request_id or r.index} needs up to {int(r.plan.alone.sum())} KV entries "
                               f"over its {self.num_layers} layers ({need} bytes) but kv_memory is {self.cap} bytes")
 
-    def staging(self, group: Sequence["Request"]) -> torch.Tensor:
+    def staging(self, group: Sequence[Request]) -> torch.Tensor:
         return staging(group, self.chunk)
 
-    def fits(self, need: torch.Tensor, num_running: int, group: Sequence["Request"]) -> bool:
+    def fits(self, need: torch.Tensor, num_running: int, group: Sequence[Request]) -> bool:
         """Can `group` be admitted next to `num_running` decoding requests needing `need` [L] (running_need)?"""
         if not self.cap or not group:
             return True
         caps = torch.maximum(need, group_bound(group, self.chunk))
         return self.store_bytes(num_running + len(group), caps) <= self.cap
 
-    def reserved_bytes(self, lengths: torch.Tensor, running: Sequence["Request"], cohort: Sequence["Request"]) -> int:
+    def reserved_bytes(self, lengths: torch.Tensor, running: Sequence[Request], cohort: Sequence[Request]) -> int:
         """What the live requests reserve, each counted on its own (the rectangle not included): a decoding
         request what it may still need (slot_needs), a prefilling one its bound when admitted alone."""
         total = int(slot_needs(lengths, running).sum()) if running else 0

@@ -128,7 +128,7 @@ class Policy:
         """The budget (tokens per kv head, per layer on average) this policy runs a `prompt_len` prompt under."""
         return self.budget
 
-    def for_request(self, prompt_len: int, budget: int | None) -> "Policy":
+    def for_request(self, prompt_len: int, budget: int | None) -> Policy:
         """The policy one request runs under: this one, or (`budget`) the same with a lower budget for this
         request only, at most `request_budget(prompt_len)`. SkipKVError for a budget it cannot run."""
         if budget is None:

@@ -197,7 +197,7 @@ class LaProx(Policy):
     def request_budget(self, prompt_len: int) -> int:
         return self.layer_budget(prompt_len)
 
-    def for_request(self, prompt_len: int, budget: int | None) -> "LaProx":
+    def for_request(self, prompt_len: int, budget: int | None) -> LaProx:
         # A request's own budget is a token count per layer: it replaces the ratio for this request.
         policy = super().for_request(prompt_len, budget)
         return replace(policy, budget_ratio=None) if budget is not None else policy
