@@ -357,3 +357,241 @@ def test_bench_fidelity_policy_specs_are_checked_before_loading(capsys):
         assert msg in capsys.readouterr().err
 
 
+
+
+# ------------------------------------------------------------------------------------------- the ablation knobs
+def ref_attention_scores(q, k, scale):
+    """Naive loop: sum over query heads and window queries of each window query's causal softmax weight on token i."""
+    b, Hq, w, D = q.shape
+    H, n = k.shape[1], k.shape[2]
+    G = Hq // H
+    out = torch.zeros(b, n, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(Hq):
+            for j in range(w):
+                last = n - w + j
+                logits = [float(q[bi, h, j] @ k[bi, h // G, t]) * scale for t in range(last + 1)]
+                m = max(logits)
+                z = sum(math.exp(x - m) for x in logits)
+                for t in range(last + 1):
+                    out[bi, t] += math.exp(logits[t] - m) / z
+    return out
+
+
+def ref_candidates(s, sink, window, kernel, how):
+    """Naive: each candidate takes the max over the candidates within kernel // 2 of it, then the candidates are
+    normalised among themselves (population z-score, share of the sum, or unchanged)."""
+    n = len(s)
+    lo, hi = min(sink, n), max(n - window, min(sink, n))
+    out = list(s)
+    pooled = [max(s[j] for j in range(max(lo, i - kernel // 2), min(hi, i + kernel // 2 + 1))) for i in range(lo, hi)]
+    if pooled and how == "zscore":
+        mu = sum(pooled) / len(pooled)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in pooled) / len(pooled))
+        pooled = [(x - mu) / (sd + 1e-12) for x in pooled]
+    elif pooled and how == "sum":
+        pooled = [x / sum(pooled) for x in pooled]
+    out[lo:hi] = pooled
+    return out
+
+
+def ref_layer_select(scores, per_layer, sink, window):
+    """Naive: per layer, the protected entries plus the best others (ties: older), per_layer in all."""
+    if all(len(s) <= per_layer for s in scores):
+        return None
+    out = []
+    for s in scores:
+        n = len(s)
+        prot = set(range(min(sink, n))) | set(range(max(n - window, 0), n))
+        cand = sorted((i for i in range(n) if i not in prot), key=lambda i: (-s[i], i))
+        out.append(sorted(prot | set(cand[: max(per_layer - len(prot), 0)])) if n > per_layer else list(range(n)))
+    return out
+
+
+@pytest.mark.parametrize("Hq,H", [(4, 2), (3, 3)])
+def test_attention_scores_match_naive_loop(Hq, H):
+    from skipkv.policies.laprox import attention_scores
+
+    torch.manual_seed(2)
+    q = torch.randn(2, Hq, 3, 4, dtype=torch.float64) * 2
+    k = torch.randn(2, H, 7, 4, dtype=torch.float64)
+    torch.testing.assert_close(attention_scores(q, k, scale=0.7), ref_attention_scores(q, k, 0.7))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_candidate_scores_match_naive_pooling_and_normalisation(seed):
+    from skipkv.policies.laprox import candidate_scores
+
+    rng = random.Random(seed)
+    n = rng.randrange(1, 25)
+    s = [rng.gauss(0, 1) for _ in range(n)]
+    sink, window, kernel = rng.randrange(0, 4), rng.randrange(1, 5), rng.choice([1, 3, 5, 7])
+    how = rng.choice(["zscore", "sum", "none"])
+    if how == "sum":
+        s = [abs(x) + 0.01 for x in s]
+    got = candidate_scores(torch.tensor(s, dtype=torch.float64), sink, window, kernel, how)
+    torch.testing.assert_close(got, torch.tensor(ref_candidates(s, sink, window, kernel, how), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layer_select_matches_per_layer_sort(seed):
+    from skipkv.policies.laprox import layer_select
+
+    rng = random.Random(seed)
+    lens = [rng.randrange(5, 30) for _ in range(rng.randrange(1, 5))]
+    scores = [[round(rng.gauss(0, 1), 1) for _ in range(n)] for n in lens]  # ties within a layer
+    sink, window = rng.randrange(0, 3), rng.randrange(1, 4)
+    per_layer = rng.randrange(sink + window, max(lens) + 3)
+    got = layer_select([torch.tensor(s, dtype=torch.float64) for s in scores], per_layer, sink, window)
+    want = ref_layer_select(scores, per_layer, sink, window)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert [g.tolist() for g in got] == want
+
+
+VARIANTS = [dict(scoring=s, allocation=a, kernel=k) for s in ("output", "attention") for a in ("model", "layer")
+            for k in (1, 7)]
+
+
+@pytest.fixture(scope="module")
+def ablation_kept(sharp):
+    """Per variant, the positions each layer kept after the engine's prefill, and the naive pipeline's choice
+    (naive scores from the full prefill's window queries and keys, naive pooling, normalisation and top-k)."""
+    from skipkv.attention import attention_backend
+    from skipkv.engine import make_requests
+    from skipkv.engine.runner import ModelRunner
+    from skipkv.engine.shared import prefill_full
+
+    ratio, window, sink = 0.2, 8, 2
+    # seed 1: every model-wide variant splits the two layers unevenly, so allocation=layer keeps other tokens
+    ids = ragged_prompts(sharp.model.config.vocab_size, (120,), seed=1)[0]
+    P, layers = len(ids), sharp.model.model.layers
+    with attention_backend(sharp.model), torch.inference_mode():
+        full = prefill_full(sharp, ids, window)[0]
+        raw = {"output": [], "attention": []}
+        for l, layer in enumerate(layers):
+            q = full.queries.recent(l, torch.tensor([0]), window)[0][None]  # [1, Hq, w, D]
+            k, v = full.store.k[l][:1, :, :P], full.store.v[l][:1, :, :P]
+            scale = layer.self_attn.scaling
+            raw["output"].append(ref_scores(q, k, v, layer.self_attn.o_proj.weight, "sum", scale)[0].tolist())
+            raw["attention"].append(ref_attention_scores(q, k, scale)[0].tolist())
+        out = {}
+        for knobs in VARIANTS:
+            policy = make_policy("laprox", budget_ratio=ratio, prefill_window=window, sink=sink, **knobs)
+            runner = ModelRunner(sharp, policy, num_slots=1)
+            runner.prefill(make_requests(sharp, [ids], SamplingParams(max_new_tokens=1), policy))
+            got = [runner.store.pos[l][0, 0, : int(runner.store.lengths[l, 0])].tolist() for l in range(len(layers))]
+            cand = [ref_candidates(s, sink, window, knobs["kernel"], "zscore") for s in raw[knobs["scoring"]]]
+            per_layer = round(ratio * P)
+            want = (ref_layer_select(cand, per_layer, sink, window) if knobs["allocation"] == "layer"
+                    else ref_select(cand, per_layer * len(layers), sink, window, 0))
+            out[tuple(knobs.values())] = (got, want)
+    return out
+
+
+@pytest.mark.parametrize("knobs", VARIANTS, ids=lambda k: "-".join(map(str, k.values())))
+def test_each_ablation_variant_keeps_what_the_naive_pipeline_keeps(ablation_kept, knobs):
+    got, want = ablation_kept[tuple(knobs.values())]
+    assert got == want
+    if knobs["allocation"] == "layer":
+        assert len({len(k) for k in got}) == 1, "uniform allocation: every layer keeps the same count"
+
+
+def test_every_ablation_knob_changes_what_is_kept(ablation_kept):
+    # On the sharp model each axis, flipped alone, keeps a different set: a knob that were ignored would fail.
+    for key in ablation_kept:
+        for axis, other in enumerate((("output", "attention"), ("model", "layer"), (1, 7))):
+            flipped = list(key)
+            flipped[axis] = other[1 - other.index(key[axis])]
+            assert ablation_kept[key][0] != ablation_kept[tuple(flipped)][0], (key, axis)
+
+
+# ------------------------------------------------------------------------------------------- fidelity on unseen queries
+def _full_runner_after(bundle, ids, steps, forced=None):
+    from skipkv.bench.fidelity import feed_full
+    from skipkv.engine.shared import prefill_full
+
+    full, req, first = prefill_full(bundle, ids, steps, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
+    feed_full(full, req, first, steps, forced)
+    return full, req
+
+
+def test_decode_queries_are_the_answers_own(tiny):
+    """The decode-mode reference is what each attention module returned at each step of the greedy answer, and
+    the tokens fed are the full cache's own greedy tokens."""
+    from skipkv.attention import attention_backend
+    from skipkv.bench.fidelity import layer_output
+
+    ids = ragged_prompts(tiny.model.config.vocab_size, (50,), seed=4)[0]
+    seen: dict[int, list] = {}
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda m, a, out, l=l: seen.setdefault(l, []).append(out[0][0, -1].clone()))
+        for l, layer in enumerate(tiny.model.model.layers)]
+    try:
+        with attention_backend(tiny.model), torch.inference_mode():
+            full, req = _full_runner_after(tiny, ids, 5)
+    finally:
+        for h in hooks:
+            h.remove()
+    greedy = generate(tiny, [ids], SamplingParams(max_new_tokens=6, ignore_eos=True), make_policy("full"))[0]
+    assert req.output_ids == greedy.token_ids[:5]
+    s, slot = full.store, torch.tensor([0])
+    for l, layer in enumerate(tiny.model.model.layers):
+        got = layer_output(layer.self_attn, full.queries.recent(l, slot, 5)[0], torch.arange(50, 55),
+                           s.k[l][0, :, :55], s.v[l][0, :, :55], s.pos[l][0, :, :55])
+        torch.testing.assert_close(got.double(), torch.stack(seen[l][1:]).double())  # [0] was the prefill
+
+
+def test_heldout_queries_are_the_prompts_own(tiny):
+    """Held-out tokens fed one at a time give the queries a prefill of the whole prompt gives its last tokens."""
+    from skipkv.attention import attention_backend
+    from skipkv.engine.shared import prefill_full
+
+    ids = ragged_prompts(tiny.model.config.vocab_size, (60,), seed=5)[0]
+    with attention_backend(tiny.model), torch.inference_mode():
+        whole = prefill_full(tiny, ids, 8)[0]
+        fed, _ = _full_runner_after(tiny, ids[:52], 8, ids[52:])
+    slot = torch.tensor([0])
+    for l in range(tiny.model.config.num_hidden_layers):
+        torch.testing.assert_close(fed.queries.recent(l, slot, 8), whole.queries.recent(l, slot, 8))
+
+
+def test_heldout_fidelity_compresses_only_the_prompt_before_the_window(sharp):
+    from skipkv.bench.fidelity import fidelity_one
+
+    ids = ragged_prompts(sharp.model.config.vocab_size, (100,), seed=6)[0]
+    policies = {"laprox": make_policy("laprox", budget=20, prefill_window=8),
+                "snapkv": make_policy("snapkv", budget=20, prefill_window=8, phase="prefill")}
+    got = fidelity_one(sharp, ids, policies, 8, queries="heldout", steps=16)
+    L = sharp.model.config.num_hidden_layers
+    for name, want in (("laprox", 20 * L), ("snapkv", 20 * L)):
+        assert got[name]["scored_len"] == 84 and sum(got[name]["kept"]) == want
+    # What each policy kept is what it keeps of the 84-token prefix alone: the held-out tokens played no part.
+    alone = generate(sharp, [ids[:84]], SamplingParams(max_new_tokens=1), policies["laprox"])[0]
+    assert got["laprox"]["kept"] == alone.layer_kv_tokens
+    window = fidelity_one(sharp, ids, policies, 8, queries="window")
+    decode = fidelity_one(sharp, ids, policies, 8, queries="decode", steps=8)
+    for name in policies:  # three different query sets: three different figures
+        c = [tuple(round(x, 6) for x in r[name]["cosine"]) for r in (got, window, decode)]
+        assert len(set(c)) == 3 and all(0 < x < 1 for t in c for x in t)
+
+
+@pytest.mark.parametrize("queries", ["decode", "heldout"])
+def test_bench_fidelity_unseen_queries_cli(tmp_path, queries):
+    out = tmp_path / "fid.json"
+    args = ["bench", "fidelity", "--model", "random:qwen2", "--dataset", "niah", "--lengths", "600", "--policies",
+            "streaming_llm,laprox", "--window", "8", "--dtype", "fp32", "--out", str(out), "--queries", queries,
+            "--steps", "6"]
+    assert main(args + ["--budget-ratio", "1.0"]) == 0
+    report = json.loads(out.read_text())
+    assert report["queries"] == queries and report["steps"] == 6
+    for name in ("streaming_llm", "laprox"):  # nothing evicted: the fed queries see the full cache's output
+        assert all(abs(c - 1) < 1e-5 for c in report["results"][name]["600"]["per_layer"])
+    assert main(args + ["--budget-ratio", "0.2"]) == 0
+    assert all(c < 0.9999 for c in json.loads(out.read_text())["results"]["streaming_llm"]["600"]["per_layer"])
+
+
+def test_bench_fidelity_rejects_an_unknown_query_mode(capsys):
+    assert main(["bench", "fidelity", "--model", "random:qwen2", "--queries", "future", "--lengths", "600"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "query mode" in err

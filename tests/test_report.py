@@ -237,6 +237,33 @@ def test_intervals_and_mcnemar_against_known_values():
     assert lo < sum(frac) / len(frac) < hi
 
 
+def ref_holm_rejects(pvalues, alpha):
+    """Holm's procedure as stated: walk the sorted p-values, reject while p_(k) <= alpha / (m - k), stop at the
+    first that fails."""
+    m = len(pvalues)
+    rejected = set()
+    for k, i in enumerate(sorted(range(m), key=lambda i: pvalues[i])):
+        if pvalues[i] > alpha / (m - k):
+            break
+        rejected.add(i)
+    return rejected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_holm_adjusted_p_rejects_what_the_step_down_procedure_rejects(seed):
+    import random
+
+    from skipkv.report.stats import holm
+
+    rng = random.Random(seed)
+    ps = [round(rng.random() ** 3, 3) for _ in range(rng.randrange(1, 12))]  # ties and small p-values
+    adj = holm(ps)
+    assert all(a >= p for a, p in zip(adj, ps)) and max(adj) <= 1
+    for alpha in (0.01, 0.05, 0.1, 0.2):
+        assert {i for i, a in enumerate(adj) if a <= alpha} == ref_holm_rejects(ps, alpha)
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+
+
 def test_report_rows_carry_the_interval(tmp_path):
     from skipkv.report.stats import wilson
 

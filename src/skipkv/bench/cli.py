@@ -46,10 +46,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             raise SkipKVError(f"{p} keeps the full cache: it is the reference, not a policy to compare")
     if not 0 < args.budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {args.budget_ratio}")
-    if args.examples <= 0 or args.window <= 0:
-        raise SkipKVError("--examples and --window must be positive")
+    if args.examples <= 0 or args.window <= 0 or args.steps <= 0:
+        raise SkipKVError("--examples, --window and --steps must be positive")
     run_fidelity(args.model, args.dataset, _ints(args.lengths), policies, args.budget_ratio, args.examples,
-                 args.window, args.dtype, args.out)
+                 args.window, args.dtype, args.out, queries=args.queries, steps=args.steps)
     return 0
 
 
@@ -122,7 +122,8 @@ def register(sub) -> None:
     d.add_argument("--span", type=int, default=64, help="steps before each length whose median is reported")
     d.add_argument("--out", help="write the JSON report here")
     d.set_defaults(func=cmd_decode)
-    f = bsub.add_parser("fidelity", help="per-layer cosine of the window's attention output: compressed vs full cache")
+    f = bsub.add_parser("fidelity", help="per-layer cosine of the attention output of queries the policies did not "
+                        "score: compressed vs full cache")
     f.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     f.add_argument("--dataset", default="niah")
     f.add_argument("--lengths", default="4096,8192")
@@ -130,7 +131,12 @@ def register(sub) -> None:
                    help="comma-separated, or ';'-separated specs with knobs: 'snapkv;laprox:kernel=7,normalize=sum'")
     f.add_argument("--budget-ratio", type=float, default=0.1, help="budget per layer as a fraction of the prompt")
     f.add_argument("--examples", type=int, default=1, help="examples per length (niah: the first depths)")
-    f.add_argument("--window", type=int, default=32, help="observation queries compared (the last prompt tokens)")
+    f.add_argument("--queries", default="decode",  # checked by run_fidelity (bench.fidelity.QUERY_MODES)
+                   help="queries compared: decode (the full cache's greedy answer, default), heldout (the last "
+                   "--steps prompt tokens, held out from compression) or window (the scoring window itself)")
+    f.add_argument("--steps", type=int, default=32, help="decode steps or held-out prompt tokens compared")
+    f.add_argument("--window", type=int, default=32,
+                   help="queries captured from the prefill (and compared with --queries window)")
     f.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16")
     f.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     f.add_argument("--out", help="write the JSON report here (and a PNG plot beside it)")

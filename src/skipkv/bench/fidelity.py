@@ -1,20 +1,33 @@
-"""Layer-output fidelity (LaProx's Figure 4): per layer, how close the attention output of the observation
-window stays to the full cache's once a policy has compressed the prompt.
+"""Layer-output fidelity (LaProx's Figure 4): per layer, how close the attention output of queries the policies
+did NOT score stays to the full cache's once a policy has compressed the prompt.
 
     skipkv bench fidelity --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 4096,8192 \\
         --policies snapkv,pyramidkv,laprox --budget-ratio 0.1 --out docs/fidelity.json
+    skipkv bench fidelity ... --queries heldout --steps 32    # a held-out prompt window instead
+    skipkv bench fidelity ... --queries window                 # the scoring window itself (favours the scorers)
 
-For each example, the prompt is prefilled once with the full cache and, for policies that need attention sums
-or hidden states, once per policy (the others compress a copy of the full prefill, which is the same thing
-since compression runs after the forward); every policy compresses right after prefill, every policy given budget = ratio x prompt tokens per layer; LaProx spends budget x
-layers model-wide). The last `window` prompt queries of every layer are captured (post-RoPE) during the full
-prefill; since compression happens after the prefill forward, each layer's inputs are identical in both runs,
-so the comparison isolates that layer's approximation. Per layer l and query j, the attention output after
-o_proj, sum_h softmax(q_j K_h^T) V_h W_O^h, is computed against the full store and against the compressed
-store (each key visible iff its true position <= the query's), and the cosine similarity between the two
-[E] vectors is averaged over the window's queries and the examples. Each layer's kept share of the prompt is
-recorded too (LaProx's per-layer budgets, the seed's Figure 6). Printed as a markdown table (mean and
-worst layer), written as JSON, and plotted (one line per policy across layers, one panel per length).
+Which queries are compared (`--queries`, `--steps`):
+  - decode (default): the first `steps` decode steps of the full cache's greedy answer (EOS ignored). The
+    policies compress the whole prompt, scoring it with its last window, and never see these queries.
+  - heldout: the last `steps` prompt tokens are held out: the policies compress the prompt before them (their
+    scoring window is the window just before the held-out one), and the held-out tokens are then fed one at a
+    time with the full cache, as decode steps.
+  - window: the last `--window` prompt queries, i.e. the very queries SnapKV/LaProx-style scores are built
+    from; this favours those scores by construction and is kept only to compare with earlier figures.
+In decode and heldout modes the entries of the fed tokens (positions after the compressed prompt) come from
+the full run and are appended to every compressed store, so only the prompt's compression differs.
+
+For each example, the prompt (or the part before the held-out window) is prefilled once with the full cache
+and, for policies that need hidden states, once per policy (the others compress a copy of the full prefill,
+which is the same thing since compression runs after the forward); every policy is given budget = ratio x
+prompt tokens per layer (LaProx spends budget x layers model-wide). Every layer's queries are those of the
+full run (post-RoPE), so each layer's inputs are identical in both and the comparison isolates that layer's
+approximation. Per layer l and query j, the attention output after o_proj, sum_h softmax(q_j K_h^T) V_h W_O^h,
+is computed against the full store and against the compressed store (each key visible iff its true position
+<= the query's), and the cosine similarity between the two [E] vectors is averaged over the queries and the
+examples. Each layer's kept share of the prompt is recorded too (LaProx's per-layer budgets, the seed's
+Figure 6). Printed as a markdown table (mean and worst layer), written as JSON, and plotted (one line per
+policy across layers, one panel per length).
 
 On needle sets (niah, niah_multikey) it also reports *needle retention*: per layer, the share of the answer's
 tokens (every occurrence of the answer in the context, located through the tokenizer's offsets) that the
@@ -26,6 +39,7 @@ Policies are specs, `name[:knob=value,...]`, e.g. `laprox:kernel=7,normalize=sum
 from __future__ import annotations
 
 import json
+import time
 import statistics
 from pathlib import Path
 
@@ -37,6 +51,8 @@ from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.engine.shared import branch, capture_window, prefill_full, shares_prefill
 from skipkv.errors import SkipKVError
+
+QUERY_MODES = ("decode", "heldout", "window")
 
 
 def layer_output(module, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,42 +105,67 @@ def retention(store, layer: int, needle: torch.Tensor) -> tuple[float, bool]:
     return float(held.float().mean()), bool(held.all())
 
 
-def fidelity_one(bundle, ids: list[int], policies: dict, window: int,
-                 needle: list[int] | None = None) -> dict[str, dict[str, list]]:
-    """Per policy label: {"cosine": the per-layer mean cosine similarity [L], and with `needle` positions,
-    "needle": per-layer retention [L] and "needle_whole": per-layer all-heads-hold-it flags [L]} on one prompt."""
+def feed_full(full: ModelRunner, req, first: int, steps: int, forced: list[int] | None = None) -> None:
+    """Decode `steps` tokens one at a time on the full-cache runner, so that its query buffer and store then hold
+    their queries and entries: the greedy answer from `first` on, or the `forced` tokens (a held-out window)."""
+    token = forced[0] if forced else first
+    for i in range(steps):
+        req.add_token(token, time.perf_counter())
+        full.fit(exact=True)
+        [nxt] = full.decode()  # feeds `token` (the request's last output) at the next position
+        token = forced[i + 1] if forced and i + 1 < steps else nxt
 
+
+def fidelity_one(bundle, ids: list[int], policies: dict, window: int, needle: list[int] | None = None,
+                 queries: str = "decode", steps: int = 32) -> dict[str, dict[str, list]]:
+    """Per policy label: {"cosine": the per-layer mean cosine similarity [L], "kept": entries per layer, and with
+    `needle` positions, "needle": per-layer retention [L] and "needle_whole": per-layer all-heads-hold-it flags
+    [L]} on one prompt, over the queries `queries` selects (see the module docstring)."""
+    if queries not in QUERY_MODES:
+        raise SkipKVError(f"unknown query mode {queries!r}; choose from {', '.join(QUERY_MODES)}")
+    fed = 0 if queries == "window" else steps
+    prefix = ids[: len(ids) - steps] if queries == "heldout" else ids
+    P = len(prefix)
     layers = bundle.model.model.layers
     shared = max(window, capture_window([p for p in policies.values() if shares_prefill(p)]))
     with attention_backend(bundle.model), torch.inference_mode():
-        full = prefill_full(bundle, ids, shared)[0]
-        P = len(ids)
-        qpos = torch.arange(P - window, P, device=bundle.device)
+        sampling = SamplingParams(max_new_tokens=fed + 1, ignore_eos=True)
+        full, req, first = prefill_full(bundle, prefix, max(shared, fed), sampling)
+        # Every policy compresses a copy of the prompt prefill BEFORE the full runner decodes on.
+        runs = {name: (branch(bundle, full, policy, prefix, SamplingParams(max_new_tokens=1))[0]
+                       if shares_prefill(policy, shared) else _prefill(bundle, policy, prefix))
+                for name, policy in policies.items()}
+        if fed:
+            feed_full(full, req, first, fed, list(ids[P:]) if queries == "heldout" else None)
+            qpos = torch.arange(P, P + fed, device=bundle.device)
+        else:
+            qpos = torch.arange(P - window, P, device=bundle.device)
         slot = torch.tensor([0], device=bundle.device)
-        refs, queries = [], []
+        fs = full.store
+        refs, qs, tails = [], [], []
         for l, layer in enumerate(layers):
-            q = full.queries.recent(l, slot, window)[0]
-            n = int(full.store.lengths[l, 0])
-            s = full.store
-            refs.append(layer_output(layer.self_attn, q, qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n]))
-            queries.append(q)
+            q = full.queries.recent(l, slot, len(qpos))[0]
+            n = int(fs.lengths[l, 0])
+            refs.append(layer_output(layer.self_attn, q, qpos, fs.k[l][0, :, :n], fs.v[l][0, :, :n], fs.pos[l][0, :, :n]))
+            qs.append(q)
+            # The fed tokens' entries (identical under every policy: only the prompt was compressed).
+            tails.append((fs.k[l][0, :, P:n], fs.v[l][0, :, P:n], fs.pos[l][0, :, P:n]))
         out = {}
         pos = torch.tensor(needle, device=bundle.device) if needle else None
-        for name, policy in policies.items():
-            run = (branch(bundle, full, policy, ids, SamplingParams(max_new_tokens=1))[0] if shares_prefill(policy, shared)
-                   else _prefill(bundle, policy, ids))
+        for name, run in runs.items():
             s = run.store
             cos, kept, whole, sizes = [], [], [], []
             for l, layer in enumerate(layers):
                 n = int(s.lengths[l, 0])
                 sizes.append(n)
-                got = layer_output(layer.self_attn, queries[l], qpos, s.k[l][0, :, :n], s.v[l][0, :, :n], s.pos[l][0, :, :n])
+                k, v, kp = (torch.cat([a[0, :, :n], t], dim=1) for a, t in zip((s.k[l], s.v[l], s.pos[l]), tails[l]))
+                got = layer_output(layer.self_attn, qs[l], qpos, k, v, kp)
                 cos.append(float(torch.nn.functional.cosine_similarity(got, refs[l], dim=-1).mean()))
                 if pos is not None:
                     share, all_heads = retention(s, l, pos)
                     kept.append(share)
                     whole.append(all_heads)
-            out[name] = {"cosine": cos, "kept": sizes, **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
+            out[name] = {"cosine": cos, "kept": sizes, "scored_len": P, **({"needle": kept, "needle_whole": whole} if pos is not None else {})}
     return out
 
 
@@ -174,7 +215,8 @@ def plot(results: dict, lengths: list[int], path: Path, title: str) -> None:
 
 
 def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[str], budget_ratio: float,
-                 examples: int, window: int, dtype: str, out: str | None, prompt_style: str = "chat") -> dict:
+                 examples: int, window: int, dtype: str, out: str | None, prompt_style: str = "chat",
+                 queries: str = "decode", steps: int = 32) -> dict:
     from skipkv.eval import prompts
     from skipkv.eval.datasets import data_request, get_dataset
     from skipkv.hardware import environment
@@ -183,6 +225,10 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
 
     if not 0 < budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {budget_ratio}")
+    if queries not in QUERY_MODES:
+        raise SkipKVError(f"unknown query mode {queries!r}; choose from {', '.join(QUERY_MODES)}")
+    if steps <= 0:
+        raise SkipKVError(f"--steps must be positive, got {steps}")
     ds = get_dataset(dataset)
     if not getattr(ds, "long_context", False):
         raise SkipKVError(f"bench fidelity runs on long-context sets (niah, ...); {dataset} is not one")
@@ -195,14 +241,16 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
         for ex in chosen:
             text = prompts.render(bundle.tokenizer, ex, prompt_style)
             ids = prompts.encode(bundle.tokenizer, text, prompt_style)
-            if len(ids) <= window:
-                raise SkipKVError(f"a {len(ids)}-token prompt is shorter than the observation window ({window})")
-            budget = max(1, round(budget_ratio * len(ids)))
+            scored = len(ids) - steps if queries == "heldout" else len(ids)  # the prompt the policies compress
+            if scored <= window:
+                raise SkipKVError(f"a {len(ids)}-token prompt leaves {scored} tokens to score, not more than the "
+                                  f"observation window ({window})")
+            budget = max(1, round(budget_ratio * scored))
             built = dict(parse_policy_spec(p, budget=budget) for p in policies)
             needle = needle_positions(bundle.tokenizer, text, ids, ex.reference) if dataset.startswith("niah") else None
-            for p, got in fidelity_one(bundle, ids, built, window, needle).items():
+            for p, got in fidelity_one(bundle, ids, built, window, needle, queries, steps).items():
                 sums[p][str(n)].append(got)
-                prompt_lens[p][str(n)].append(len(ids))
+                prompt_lens[p][str(n)].append(got["scored_len"])
     results = {}
     for p, by_len in sums.items():
         results[p] = {}
@@ -217,7 +265,8 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     table = format_table(results, lengths)
     print(table)
     report = {"model": model, "dataset": dataset, "lengths": lengths, "budget_ratio": budget_ratio,
-              "window": window, "dtype": str(bundle.dtype).removeprefix("torch."), "examples_per_length": examples,
+              "window": window, "queries": queries, "steps": steps if queries != "window" else None,
+              "dtype": str(bundle.dtype).removeprefix("torch."), "examples_per_length": examples,
               "machine": environment(bundle.dtype_choice),
               "results": results, "table": table}
     if out:

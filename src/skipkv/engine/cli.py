@@ -4,6 +4,9 @@
         --ignore-eos --json "first prompt" "second, longer prompt"
     skipkv generate --model qwen2.5-coder-0.5b-instruct --policy rkv --budget 128 "What is 17 * 23?"
     skipkv policies
+
+On a terminal, one prompt's text is printed as its tokens come (the summary line then goes to stderr);
+`--no-stream`, `--json`, several prompts or output to a pipe or file print each answer when it finishes.
 """
 
 from __future__ import annotations
@@ -159,13 +162,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
             row.update(ran)
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
+    if not args.json and not args.no_stream and len(prompts) == 1 and sys.stdout.isatty():
+        r = _stream_one(bundle, prompts[0], sampling, policy, engine)
+        print(_summary(r), file=sys.stderr)
+        return 0
     results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)
     if not args.json:
         for r in results:
-            print(f"--- [{r.index}] {r.generated_tokens} tokens, peak KV {r.peak_kv_tokens} tokens "
-                  f"({r.peak_kv_bytes / 2**20:.2f} MiB), {r.compressions} compressions, {r.finish_reason}")
+            print(_summary(r))
             print(r.text)
     return 0
+
+
+def _summary(r) -> str:
+    return (f"--- [{r.index}] {r.generated_tokens} tokens, peak KV {r.peak_kv_tokens} tokens "
+            f"({r.peak_kv_bytes / 2**20:.2f} MiB), {r.compressions} compressions, {r.finish_reason}")
+
+
+def _stream_one(bundle, prompt: str, sampling: SamplingParams, policy, config: EngineConfig):
+    """Generate one completion on the step-driven Engine, writing its text to stdout as tokens come; returns
+    its RequestResult. What is written is `r.text` and a newline, exactly what the non-streamed path prints."""
+    from skipkv.engine import Engine
+    from skipkv.engine.detokenize import TextStream
+
+    out = sys.stdout
+    text = TextStream(bundle.tokenizer, sampling.stop)
+    at_line_start = True
+    try:
+        with Engine(bundle, policy, config) as eng:
+            rid = eng.add_request(prompt, sampling)
+            res = None
+            while res is None:
+                step = eng.step()
+                toks = [t for r, t in step.new_tokens if r == rid]
+                res = next((f for f in step.finished if f.request_id == rid), None)
+                if res is not None and res.finish_reason == "eos":
+                    toks = toks[:-1]  # the result's text leaves out the end-of-sequence token; so does the stream
+                delta = text.add(toks) if toks else ""
+                if res is not None:
+                    delta += text.finish(res.text) + "\n"
+                if delta:
+                    out.write(delta)
+                    out.flush()  # a terminal's stdout is line-buffered: a token without a newline would wait
+                    at_line_start = delta.endswith("\n")
+    finally:
+        if not at_line_start:  # interrupted mid-line: the error message starts on a line of its own
+            out.write("\n")
+            out.flush()
+    return res
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -187,6 +231,8 @@ def register(sub) -> None:
     add_policy_args(g)
     add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="one JSON object per request (as each finishes)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="on a terminal, print the answer when it finishes instead of as tokens come")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--prompts", help="JSONL file: one string or {\"prompt\": ...} per line")
     g.add_argument("prompt", nargs="*")

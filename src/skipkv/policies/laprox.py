@@ -29,9 +29,21 @@ evict; the per-layer capacity after prefill is what each layer kept + max_new_to
 (`--prefill-chunk`) the model-wide selection runs after every chunk with the whole prompt's budget, so the
 peak stays near budget + chunk per layer. A prompt whose entries all fit the budget is not compressed.
 Departures (the method section is not public, see research/algorithms.md §7): the window size (32), the
-z-score over candidates only, and tie-breaking (older layer, then older token) are our choices. `kernel`
-(off by default) max-pools each layer's candidate scores before normalising, as SnapKV does, so that the
-neighbours of a strong token (the other digits of a needle) survive with it; the sweep measures both.
+z-score over candidates only, and tie-breaking (older layer, then older token) are our choices.
+
+Ablation axes (each a knob; the defaults are the seed's method, the row every ablation is read against):
+  - `scoring`: "output" (the score above) or "attention" (attention only: sum_h sum_j A_{h,j,i}, the
+    head-summed window attention, no values, no o_proj);
+  - `allocation`: "model" (one top-k over every layer's normalised candidates) or "layer" (every layer keeps
+    the same share, its own top-k; `normalize` then changes nothing, since each normalisation is monotone
+    within a layer);
+  - `kernel`: 1 (the seed) or a max-pool width over each layer's candidate scores before normalising, as
+    SnapKV does (7), so that the neighbours of a strong token (the other digits of a needle) survive with it.
+    With `kernel` > 1 the method is a LaProx-SnapKV hybrid (SnapKV's pooling, which also moves budget between
+    layers under the model-wide top-k), reported as such; it was added after plain LaProx had been seen
+    dropping needle digits, not as part of the seed's method.
+`ABLATION_AXES` lists them; a granularity axis (layer | head) joins them once the store holds per-head lengths.
+The sweep configs name the variants (labels such as `laprox-attn`, `laprox-layer`, `laprox-pool7`).
 """
 
 from __future__ import annotations
@@ -49,6 +61,10 @@ from skipkv.scoring import pool1d
 
 NORMS = ("sum", "frobenius")
 NORMALIZATIONS = ("zscore", "sum", "none")
+SCORINGS = ("output", "attention")
+ALLOCATIONS = ("model", "layer")
+# The knobs the ablation crosses; the seed's method is every axis at its default (see the module docstring).
+ABLATION_AXES = ("scoring", "allocation", "kernel")
 
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,6 +108,38 @@ def output_scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         uu = torch.einsum("bhnd,hkdf,bknf->bnhk", v, gram, v)  # projected-value dot products, per head pair
         out.append((aa * uu).sum(dim=(-1, -2)).clamp_min(0).sqrt())
     return torch.cat(out, dim=1)
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention-only score of every cached token (the ablation of the output-aware one): the window
+    attention summed over query heads and window queries, sum_h sum_j A_{h,j,i}. queries [b, Hq, w, D],
+    keys [b, H, n, D] -> [b, n] (fp32, fp64 for fp64 inputs)."""
+    D = queries.shape[-1]
+    return window_attention(queries, keys, D**-0.5 if scale is None else scale).sum(dim=(1, 2))
+
+
+def candidate_scores(s: torch.Tensor, sink: int, window: int, kernel: int, how: str) -> torch.Tensor:
+    """One layer's scores s [n] ready for selection: the candidates (past the `sink` oldest, before the `window`
+    newest) max-pooled over `kernel` neighbouring candidates, then normalised (normalize_scores) among
+    themselves. Protected entries keep their raw score (selection never compares them)."""
+    n = s.numel()
+    lo, hi = min(sink, n), max(n - window, min(sink, n))
+    out = s.clone()
+    cand = pool1d(s[None, None, lo:hi], kernel, "max")[0, 0] if hi > lo else s[lo:hi]
+    out[lo:hi] = normalize_scores(cand, how)
+    return out
+
+
+def layer_select(scores: list[torch.Tensor], per_layer: int, sink: int, window: int) -> list[torch.Tensor] | None:
+    """Uniform allocation: every layer keeps its first `sink`, last `window` and best other entries, `per_layer`
+    in all (ties: older token). Returns kept indices per layer (ascending), or None when every entry fits."""
+    if all(s.numel() <= per_layer for s in scores):
+        return None
+    keeps = []
+    for s in scores:
+        keep = model_wide_select([s], per_layer, sink, window, 0)  # one layer: the global top-k is the layer's
+        keeps.append(torch.arange(s.numel(), device=s.device) if keep is None else keep[0])
+    return keeps
 
 
 def normalize_scores(s: torch.Tensor, how: str) -> torch.Tensor:
@@ -157,7 +205,12 @@ class LaProx(Policy):
     norm: str = knob("sum", "norm of the window-summed output (sum) or per-query exact (frobenius)", choices=NORMS)
     normalize: str = knob("zscore", "per-layer normalisation before the model-wide top-k", choices=NORMALIZATIONS)
     min_layer_tokens: int = knob(0, "entries every layer keeps at least (protected ones included)", ge=0)
-    kernel: int = knob(1, "max-pool width over each layer's candidate scores (1 = off; SnapKV uses 7)", gt=0, odd=True)
+    kernel: int = knob(1, "max-pool width over each layer's candidate scores (1 = off, the seed; 7 = the "
+                       "LaProx-SnapKV hybrid)", gt=0, odd=True)
+    scoring: str = knob("output", "token score: output (attention x value x o_proj, the seed) or attention "
+                        "(window attention only; ablation)", choices=SCORINGS)
+    allocation: str = knob("model", "budget split: model (one model-wide top-k, the seed) or layer (the same "
+                           "share in every layer; ablation)", choices=ALLOCATIONS)
     phase: str = knob("prefill", "when compression runs (LaProx compresses the prompt)", choices=("prefill",))
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
@@ -221,10 +274,12 @@ class LaProx(Policy):
         return self.budget_ratio is not None or length > self.budget
 
     def layer_scores(self, obs: Observation) -> torch.Tensor:
-        """Raw LaProx scores [b, n] of one layer."""
+        """Raw scores [b, n] of one layer (`scoring`: output-aware, or attention only)."""
         assert obs.queries is not None
         w = min(obs.queries.shape[2], obs.keys.shape[2])
         scale = getattr(obs.module, "scaling", None)
+        if self.scoring == "attention":
+            return attention_scores(obs.queries[:, :, -w:], obs.keys, scale)
         return output_scores(obs.queries[:, :, -w:], obs.keys, obs.values, obs.module.o_proj.weight, self.norm, scale)
 
     def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
@@ -233,16 +288,12 @@ class LaProx(Policy):
         total = self.layer_budget(prompt_len) * len(obs)
         if sum(o.keys.shape[2] for o in obs) <= total:
             return None
-        scores = []
-        for o in obs:
-            s = self.layer_scores(o)[0]
-            n = s.numel()
-            lo, hi = min(self.sink, n), max(n - self.prefill_window, min(self.sink, n))
-            normed = s.clone()
-            cand = pool1d(s[None, None, lo:hi], self.kernel, "max")[0, 0] if hi > lo else s[lo:hi]
-            normed[lo:hi] = normalize_scores(cand, self.normalize)
-            scores.append(normed)
-        keeps = model_wide_select(scores, total, self.sink, self.prefill_window, self.min_layer_tokens)
+        scores = [candidate_scores(self.layer_scores(o)[0], self.sink, self.prefill_window, self.kernel,
+                                   self.normalize) for o in obs]
+        if self.allocation == "layer":
+            keeps = layer_select(scores, self.layer_budget(prompt_len), self.sink, self.prefill_window)
+        else:
+            keeps = model_wide_select(scores, total, self.sink, self.prefill_window, self.min_layer_tokens)
         if keeps is None:
             return None
         H = obs[0].keys.shape[1]

@@ -3,6 +3,7 @@
     wilson(7, 100)             # (0.034, 0.137): the 95% Wilson score interval of 7 right out of 100
     mcnemar_exact(1, 6)        # two-sided exact McNemar p on discordant pairs (only A right, only B right)
     interval([1, 0, 0.5, 1])   # Wilson for 0/1 scores, a seeded percentile bootstrap for fractional ones
+    holm([0.01, 0.04, 0.03])   # [0.03, 0.06, 0.06]: Holm-adjusted p-values of one family of tests
 """
 
 from __future__ import annotations
@@ -47,3 +48,17 @@ def interval(per_example: Sequence[float]) -> tuple[float, float]:
     if all(v in (0.0, 1.0) for v in per_example):
         return wilson(int(sum(per_example)), len(per_example))
     return bootstrap(list(per_example))
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order: sorted ascending, the i-th (from 0) of m is
+    multiplied by m - i, made non-decreasing, capped at 1. A test is rejected at level a iff its adjusted p <= a;
+    this controls the family-wise error rate over the whole family, whatever the dependence between tests."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    out = [1.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out

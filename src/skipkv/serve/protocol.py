@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skipkv.config import SamplingParams, check_fields, knob
+from skipkv.engine.detokenize import TextStream  # noqa: F401 - re-exported: app.py and tests import it from here
 from skipkv.engine.request import encode_prompt
 from skipkv.errors import SkipKVError
 
@@ -285,53 +286,3 @@ def final(rid: str, model: str, chat: bool, result, created: int) -> dict:
         choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage(result)}
-
-
-class TextStream:
-    """Turns a request's tokens into text deltas for streaming, so that the deltas add up to exactly the
-    final text (`make_result`'s: special tokens skipped, cut at a stop string).
-
-    Text is decoded from a window of recent tokens (vLLM's prefix/read offsets: O(1) tokens per step, not the
-    whole output); a delta ending in an incomplete UTF-8 sequence waits for the next token, and text that may
-    be the start of a stop string is held back until it is known not to be one.
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.prefix_at = self.read_at = 0
-        self.text = ""  # decoded so far
-        self.sent = 0  # characters of `text` already sent
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def add(self, tokens: list[int]) -> str:
-        """Append tokens; return the text that is safe to send now."""
-        self.ids.extend(tokens)
-        before = self._decode(self.ids[self.prefix_at:self.read_at])
-        now = self._decode(self.ids[self.prefix_at:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.text += now[len(before):]
-            self.prefix_at, self.read_at = self.read_at, len(self.ids)
-        safe = len(self.text)
-        for s in self.stop:
-            at = self.text.find(s)
-            if at >= 0:
-                safe = min(safe, at)
-            else:  # the longest suffix of the text that begins `s` may still become `s`
-                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        safe = min(safe, len(self.text) - k)
-                        break
-        if safe <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent:safe], safe
-        return out
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the final text (what was sent is a prefix of it)."""
-        # The window decode and the stop hold-back guarantee that what was sent is a prefix of the final text
-        # (tests compare the concatenated deltas with the non-streamed answer).
-        out, self.sent = final_text[self.sent:], len(final_text)
-        return out

@@ -1,0 +1,77 @@
+"""Incremental detokenisation: a request's tokens in, text deltas out, adding up to exactly its final text.
+
+    ts = TextStream(tokenizer, stop=("\n\n",))
+    for tok in new_tokens: sys.stdout.write(ts.add([tok]))
+    sys.stdout.write(ts.finish(result.text))
+
+Shared by everything that shows text while it is generated (`skipkv generate` on a terminal, the server's
+SSE stream); the final text it must add up to is `engine.make_result`'s.
+"""
+
+from __future__ import annotations
+
+import re
+
+# SentencePiece byte-fallback pieces (<0xE4>): tokenizers' ByteFallback decoder turns a whole run of them into
+# text at once, and into one U+FFFD per piece if the run is not valid UTF-8, so a later byte piece can change
+# the text of earlier ones (<0xC3><0xA9> is "é"; add <0x80> and all three are U+FFFD).
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class TextStream:
+    """Turns a request's tokens into text deltas for streaming, so that the deltas add up to exactly the
+    final text (`make_result`'s: special tokens skipped, cut at a stop string).
+
+    Text is decoded from a window of recent tokens (vLLM's prefix/read offsets: O(1) tokens per step, not the
+    whole output); a delta ending in an incomplete UTF-8 sequence, or in a run of byte-fallback pieces, waits for
+    the next token, and text that may be the start of a stop string is held back until it is known not to be one.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.special = frozenset(tokenizer.all_special_ids)  # skipped when decoding
+        self.prefix_at = self.read_at = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` already sent
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _in_byte_run(self) -> bool:
+        # The newest token that decodes to anything: a skipped special token does not end a run of byte pieces.
+        # One vocabulary lookup per call; a tokenizer without byte pieces never waits here.
+        for t in reversed(self.ids):
+            if t not in self.special:
+                return bool(BYTE_PIECE.fullmatch(self.tokenizer.convert_ids_to_tokens(t) or ""))
+        return False
+
+    def add(self, tokens: list[int]) -> str:
+        """Append tokens; return the text that is safe to send now."""
+        self.ids.extend(tokens)
+        before = self._decode(self.ids[self.prefix_at:self.read_at])
+        now = self._decode(self.ids[self.prefix_at:])
+        if len(now) > len(before) and not now.endswith("\ufffd") and not self._in_byte_run():
+            self.text += now[len(before):]
+            self.prefix_at, self.read_at = self.read_at, len(self.ids)
+        safe = len(self.text)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                safe = min(safe, at)
+            else:  # the longest suffix of the text that begins `s` may still become `s`
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        safe = min(safe, len(self.text) - k)
+                        break
+        if safe <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (what was sent is a prefix of it)."""
+        # The window decode and the stop hold-back guarantee that what was sent is a prefix of the final text
+        # (tests compare the concatenated deltas with the non-streamed answer).
+        out, self.sent = final_text[self.sent:], len(final_text)
+        return out
