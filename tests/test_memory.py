@@ -39,6 +39,7 @@ SPECS = {
     "laprox": ("laprox", dict(budget=10, prefill_window=4)),
     # `budget` is unused under a ratio; set small so that planning from it (the B1 mutant) shows at these sizes.
     "laprox-ratio": ("laprox", dict(budget_ratio=0.5, budget=9, prefill_window=4)),
+    "laprox-layer": ("laprox", dict(budget_ratio=0.5, budget=9, prefill_window=4, allocation="layer")),
     "pyramidkv": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, interval=4, phase="both")),
     "pyramidkv-prefill": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, phase="prefill")),
     "pyramidkv-decode": ("pyramidkv", dict(budget=16, window=2, interval=4, phase="decode")),

@@ -259,6 +259,8 @@ class LaProx(Policy):
         # Every layer keeps at least min(its entries, protected + floor) and every layer holds at least
         # min(prefix, that) (induction over chunks), so one layer keeps at most the model-wide total less
         # the other layers' minimum. Also bounds a layer the selection leaves whole (all entries fit).
+        if self.allocation == "layer":  # every layer keeps its share (layers stay equal while they fit)
+            return [self.layer_budget(prompt_len)] * num_layers
         floor = min(prefix_len, max(self.prefill_window + self.sink, self.min_layer_tokens))
         return [self.layer_budget(prompt_len) * num_layers - (num_layers - 1) * floor] * num_layers
 
