@@ -124,13 +124,17 @@ def test_flag_earlier_matches_naive_loop():
             assert (want > 0).any()
 
 
-def naive_penalty(positions: torch.Tensor, spans: list[tuple[int, int, float]]) -> torch.Tensor:
+def naive_penalty(positions: torch.Tensor, spans: list[tuple[int, int, float]], min_entries: int = 1) -> torch.Tensor:
+    """Per entry the sim of its span, counted only in rows (last dim) holding >= min_entries of the span."""
     out = torch.zeros(positions.shape, dtype=torch.float32)
-    for idx in torch.cartesian_prod(*[torch.arange(s) for s in positions.shape]):
-        p = int(positions[tuple(idx)])
+    rows = positions.reshape(-1, positions.shape[-1])
+    flat = out.view(-1, positions.shape[-1])
+    for r in range(rows.shape[0]):
         for s, e, v in spans:
-            if s <= p <= e:
-                out[tuple(idx)] = v
+            members = [j for j in range(rows.shape[1]) if s <= int(rows[r, j]) <= e]
+            if len(members) >= min_entries:
+                for j in members:
+                    flat[r, j] = v
     return out
 
 
@@ -141,6 +145,9 @@ def test_span_penalty_matches_naive_loop():
     # Per head a different sorted subset of positions (what compaction leaves).
     positions = torch.stack([torch.randperm(60)[:25].sort().values for _ in range(3)]).to(torch.int32)  # [H, n]
     torch.testing.assert_close(span_penalty(positions, starts, ends, sims.float()), naive_penalty(positions, spans))
+    for m in (2, 3):
+        torch.testing.assert_close(span_penalty(positions, starts, ends, sims.float(), m),
+                                   naive_penalty(positions, spans, m))
 
 
 def _state(policy, tok, spans):
@@ -164,8 +171,115 @@ def test_skipkv_score_is_rkv_minus_weighted_penalty():
     got = policy.score(Observation(**obs, states=states))
     want = rkv.score(Observation(**obs))
     for i in range(b):
-        want[i] -= 0.5 * naive_penalty(positions[i], spans[i])
+        want[i] -= 0.5 * naive_penalty(positions[i], spans[i], min_entries=2)  # the reference skips start >= end
     torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------------------------------- reference parity
+def test_one_token_and_single_survivor_sentences_are_not_penalised():
+    """The reference subtracts a flagged sentence's similarity over its local span only when start < end: a
+    one-token sentence, or a sentence with one surviving entry in a head, keeps its R-KV score there."""
+    tok = byte_tokenizer()
+    H, D = 2, 8
+    positions = torch.tensor([[[0, 1, 2, 5, 6, 7, 9, 10]], [[0, 2, 5, 6, 7, 8, 9, 11]]]).reshape(1, H, 8)
+    obs = dict(layer=0, keys=torch.randn(1, H, 8, D), values=torch.randn(1, H, 8, D),
+               positions=positions.to(torch.int32), queries=torch.randn(1, 2 * H, 4, D), attn=None, module=None,
+               is_prefill=False)
+    spans = [(1, 2, 0.97), (5, 5, 0.99), (9, 11, 0.96)]  # (5, 5): one token; (1, 2): one entry left in head 1
+    policy = make_policy("skipkv", budget=4, window=2)
+    rkv = make_policy("rkv", budget=4, window=2).score(Observation(**obs))
+    diff = (rkv - policy.score(Observation(**obs, states=[_state(policy, tok, spans)])))[0]
+    want = torch.tensor([[0, 0.97, 0.97, 0, 0, 0, 0.96, 0.96], [0, 0, 0, 0, 0, 0, 0.96, 0.96]])
+    torch.testing.assert_close(diff, want.to(diff.dtype))
+    old = make_policy("skipkv", budget=4, window=2, min_span_entries=1)  # every member penalised
+    diff1 = (rkv - old.score(Observation(**obs, states=[_state(old, tok, spans)])))[0]
+    assert float(diff1[0, 3]) == pytest.approx(0.99) and float(diff1[1, 1]) == pytest.approx(0.97)
+
+
+def test_prefill_compression_is_plain_rkv(sharp):
+    """A prompt compressed at prefill is scored by R-KV alone (no sentence is compared or flagged there), so
+    with compression at prefill only SkipKV is R-KV token for token, though its sentences would be flagged."""
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    long_prompts = [p * 4 for p in PROMPTS]
+    rkv = generate(sharp, long_prompts, sp, make_policy("rkv", budget=12, window=4, phase="prefill"))
+    skv = generate(sharp, long_prompts, sp, make_policy("skipkv", budget=12, window=4, phase="prefill", **SENT))
+    assert all(r.compressions == 1 for r in skv)
+    assert [r.token_ids for r in skv] == [r.token_ids for r in rkv]
+    assert sum(r.extra["redundant_sentences"] for r in skv) + sum(r.extra["sentences"] for r in skv) > 0
+    policy = make_policy("skipkv", budget=12, window=4, **SENT)
+    st = policy.init_state([1], byte_tokenizer())
+    nl = byte_tokenizer().encode("\n")[-1]
+    st.tracker.observe(torch.tensor([5, nl, 5, nl]), torch.ones(4, 8, dtype=torch.float64))
+    policy.before_compress([st], is_prefill=True)
+    assert st.flags == [] and st.processed == 0  # compared at the first decode compression instead
+    policy.before_compress([st], is_prefill=False)
+    assert st.flags[0] == pytest.approx(1.0)
+
+
+def naive_reference_checks(ids: list[int], chunks: list[int], check_ids: set[int], delim: set[int]) -> list[bool]:
+    """The reference's labels: per forward chunk the first check token's position; a closed sentence is
+    'Check' if a recorded position lies in it."""
+    recorded, pos = [], 0
+    for n in chunks:
+        hit = next((pos + i for i, t in enumerate(ids[pos:pos + n]) if t in check_ids), None)
+        if hit is not None:
+            recorded.append(hit)
+        pos += n
+    labels, start = [], 0
+    for p, t in enumerate(ids):
+        if t in delim:
+            labels.append(any(start <= q <= p for q in recorded))
+            start = p + 1
+    return labels
+
+
+def test_reference_ids_labels_match_the_reference_rule():
+    tok = byte_tokenizer()
+    tables = TokenTables.build(tok, r"\n", "ids", "reference_ids")
+    check_ids = {tok.encode(w, add_special_tokens=False)[-1] for w in REFERENCE_CHECK_WORDS}
+    delim = {tok.encode("\n", add_special_tokens=False)[-1]}
+    rng = random.Random(5)
+    ids = random_stream(tok, 300, rng, REFERENCE_CHECK_WORDS)
+    # A prefill chunk with two check sentences: only the first is labelled (first check token per forward).
+    head = tok.encode("Wait a\nWait b\n", add_special_tokens=False)
+    ids = head + ids
+    chunks = [len(head)] + [1] * (len(ids) - len(head))  # prefill, then decode one token per forward
+    tr = SentenceTracker(tables)
+    at = 0
+    for n in chunks:
+        tr.observe(torch.tensor(ids[at:at + n]), torch.randn(n, 4, dtype=torch.float64))
+        at += n
+    want = naive_reference_checks(ids, chunks, check_ids, delim)
+    assert tr.is_check == want
+    assert tr.is_check[:2] == [True, False] and sum(want) > 3
+    assert make_policy("skipkv", budget=24).check_words == "reference_ids"  # the default
+
+
+def test_alpha_follows_the_interval_schedule_without_compressing(tiny, tmp_path):
+    """alpha = alpha0 - gamma * checks is recomputed every `interval` generated tokens although nothing is
+    evicted (budget above the chain); alpha_update=compression never moves it then."""
+    from test_steering import write_vector
+
+    vec = write_vector(tmp_path / "v.safetensors")
+    tok = tiny.tokenizer
+    text = "Wait a\nb\nWait c\nd\n" * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    for mode in ("interval", "compression"):
+        policy = make_policy("skipkv", budget=512, window=4, interval=8, steering=vec, alpha0=-1.0, gamma=0.25,
+                             alpha_update=mode, check_words="reference")
+        st = policy.init_state([1, 2, 3], tok)
+        policy.observe(st, torch.tensor([1, 2, 3]), torch.randn(3, 8, dtype=torch.float64))
+        seen = []
+        for k, t in enumerate(ids, start=1):
+            policy.observe(st, torch.tensor([t]), torch.randn(1, 8, dtype=torch.float64))
+            seen.append(policy.coefficient(st.steer and st))
+            if mode == "interval":
+                checks = sum(1 for s in tok.decode(ids[:k - k % 8]).split("\n")[:-1] if "Wait" in s)
+                assert seen[-1] == pytest.approx(-1.0 - 0.25 * (checks if k >= 8 else 0))
+        if mode == "compression":
+            assert set(seen) == {-1.0}
+        else:
+            assert min(seen) < -1.0
 
 
 def test_before_compress_compares_new_sentences_once_and_keeps_the_max():
@@ -192,7 +306,8 @@ def test_before_compress_compares_new_sentences_once_and_keeps_the_max():
     policy.before_compress([st], is_prefill=False)
     assert st.flags[0] == pytest.approx(1.0) and st.flags[2] == pytest.approx(float(a @ a2 / a2.norm()))
     assert st.flags[1] == 0.0 and st.flags[3] == 0.0
-    assert policy.stats(st) == {"sentences": 4, "check_sentences": 0, "flagged_sentences": 2}
+    assert policy.stats(st) == {"sentences": 4, "check_sentences": 0, "flagged_sentences": 2,
+                                "redundant_sentences": 1}  # sentence 0 starts inside the 1-token prompt
     assert policy.trace_state(st)["flagged"][0][:2] == [0, 2]
 
 
@@ -227,7 +342,8 @@ def test_penalty_changes_what_is_kept(sharp):
 
 def test_flagged_sentences_are_evicted_first(sharp):
     """After every compression no flagged entry outside the window survives while an unflagged candidate of
-    the same head was evicted (flags ~0.5..1 dwarf R-KV scores)."""
+    the same head was evicted (flags ~0.5..1 dwarf R-KV scores); flagged spans with a single entry in the head
+    are exempt, as in the reference."""
     policy = make_policy("skipkv", budget=24, window=4, interval=8, **SENT)
     reqs = make_requests(sharp, PROMPTS[1:3], SamplingParams(max_new_tokens=40, ignore_eos=True), policy)
     runner = ModelRunner(sharp, policy, num_slots=2)
@@ -252,7 +368,10 @@ def test_flagged_sentences_are_evicted_first(sharp):
                     for h in range(new.shape[1]):
                         kept = set(new[l, h].tolist())
                         cands = [p for p in old[l, h].tolist() if p < window_from]
-                        flagged = {p for p in cands if bool(((starts <= p) & (p <= ends)).any())}
+                        held = old[l, h]  # a span is penalised in a head holding >= 2 of its entries
+                        big = [(a, e) for a, e in zip(starts.tolist(), ends.tolist())
+                               if int(((held >= a) & (held <= e)).sum()) >= 2]
+                        flagged = {p for p in cands if any(a <= p <= e for a, e in big)}
                         evicted_clean = [p for p in cands if p not in kept and p not in flagged]
                         if evicted_clean:
                             assert not (flagged & kept), "a flagged entry outlived an unflagged one"

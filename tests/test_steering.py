@@ -82,7 +82,7 @@ def test_steering_adds_alpha_v_exactly_at_double_newlines(tiny, vec_file, name):
     prompts = ["The quick brown fox", "2 + 2 ="]
     knobs = dict(steering=vec_file, steering_layer=LAYER, alpha0=-1.5, steer_scope="always")
     if name == "skipkv":  # budget large enough not to evict: eviction would change keys that later rows read
-        knobs.update(budget=512, window=4, interval=8, gamma=0.25, alpha_update="sentence")
+        knobs.update(budget=512, window=4, interval=8, gamma=0.25, alpha_update="sentence", check_words="reference")
     policy = make_policy(name, **knobs)
     on = drive(tiny, policy, prompts, forced, steer=True)
     off = drive(tiny, policy, prompts, forced, steer=False)
@@ -105,7 +105,7 @@ def test_think_scope_gates_on_think_tags():
     tok = type("T", (), {})()
     tables = TokenTables(delimiter=torch.zeros(8, dtype=torch.bool), has_nn=torch.tensor([0, 1, 0, 0, 0, 0, 0, 0]).bool(),
                          starts_nl=torch.zeros(8, dtype=torch.bool), ends_nl=torch.zeros(8, dtype=torch.bool),
-                         check=None, think_open=5, think_close=6, tokenizer=tok)
+                         check=None, check_ids=None, think_open=5, think_close=6, tokenizer=tok)
     st = SteerState(tables, "auto", prompt_ids=[2, 3], alpha=-1.0)
     assert st.scope == "think"
     assert [st.gate(t) for t in (1, 5, 1, 2, 1, 6, 1)] == [False, False, True, False, True, False, False]

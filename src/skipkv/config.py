@@ -91,6 +91,9 @@ class SamplingParams:
     seed: int = knob(0, "sampling seed", ge=0)
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    # s1-style budget forcing (engine/request.py `budget_force`): up to this many times, an end of thinking
+    # (EOS, or the start of "</think>") is replaced by "Wait" and the request goes on.
+    force_wait: int = knob(0, "budget forcing: times an end of thinking is replaced by 'Wait'", ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "sampling")

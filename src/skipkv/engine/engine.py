@@ -26,7 +26,7 @@ import torch
 from skipkv.attention import BACKEND, attention_backend
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine.hooks import ResidualAdd
-from skipkv.engine.request import Request, RequestResult, encode_prompt, eos_ids, percentile
+from skipkv.engine.request import Request, RequestResult, budget_force, encode_prompt, eos_ids, percentile
 from skipkv.engine.runner import ModelRunner
 from skipkv.engine.scheduler import Scheduler
 from skipkv.errors import SkipKVError
@@ -95,7 +95,8 @@ def make_result(tokenizer, r: Request, now: float) -> RequestResult:
                          tpot_p50_seconds=percentile(gaps, 0.5) if gaps else None,
                          tpot_p99_seconds=percentile(gaps, 0.99) if gaps else None,
                          peak_total_bytes=r.peak_total_bytes, layer_kv_tokens=list(r.layer_kv_tokens),
-                         allocated_kv_bytes=r.allocated_kv_bytes, extra=dict(r.policy.stats(r.state)))
+                         allocated_kv_bytes=r.allocated_kv_bytes, extra=dict(r.policy.stats(r.state)),
+                         forced_waits=r.forced)
 
 
 def check_fits(what: str, prompt_len: int, max_new_tokens: int, max_context: int) -> None:
@@ -226,7 +227,9 @@ class Engine:
         finished: list[Request] = []
         for r, tok in pairs:
             r.add_token(tok, now)
-            out.new_tokens.append((r.request_id, tok))
+            if r.sampling.force_wait:
+                budget_force(self.bundle.tokenizer, r)  # may replace the token just added (s1 budget forcing)
+            out.new_tokens.append((r.request_id, r.output_ids[-1]))
             r.finish_reason = finish_reason(self.bundle.tokenizer, r)
             if r.finish_reason:
                 finished.append(r)

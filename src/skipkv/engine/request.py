@@ -2,6 +2,17 @@
 
     from skipkv.engine.request import encode_prompt
     encode_prompt(load_model("random:qwen2").tokenizer, "Hello")
+
+Budget forcing (s1, Muennighoff et al. 2025, arXiv 2501.19393; `SamplingParams.force_wait` = K): the first K
+times a request's newest sampled token would end its thinking, it is replaced by FORCE_TEXT and the request
+goes on. "Ends its thinking" is an EOS (not ignored), or a token that opens THINK_END: its text contains
+"</think>", or ends with a prefix of it at least 2 characters long ("</" — on tokenizers without a
+</think> token the marker is several tokens, and only the newest sampled token can still be taken back:
+every earlier one has been fed to the model and sits in its cache). FORCE_TEXT is preceded by "\n\n" unless
+the text already ends in a newline, so it opens a new step. Its tokens are fed one per decode step (the token
+sampled at those steps is discarded), so forcing needs nothing from the model runner and works for any
+batch and any policy. A false start: a token ending in "</" that would have opened another tag is also
+forced; math chains do not write tags.
 """
 
 from __future__ import annotations
@@ -15,6 +26,9 @@ import torch
 from skipkv.config import SamplingParams
 from skipkv.engine.memory import Plan
 from skipkv.policies.base import Policy
+
+THINK_END = "</think>"
+FORCE_TEXT = "Wait"
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
@@ -68,6 +82,7 @@ class RequestResult:
     tpot_p50_seconds: float | None = None  # per-token latency (gap between consecutive tokens), median and p99;
     tpot_p99_seconds: float | None = None  # None for a request that produced a single token
     extra: dict = field(default_factory=dict)  # the policy's per-request figures (Policy.stats), e.g. flagged_sentences
+    forced_waits: int = 0  # times budget forcing replaced an end of thinking by "Wait" (SamplingParams.force_wait)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -109,6 +124,8 @@ class Request:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens
+    forced: int = 0  # times budget forcing replaced an end of thinking (at most sampling.force_wait)
+    pending: list[int] = field(default_factory=list)  # forced tokens still to emit, in order
 
     @property
     def prompt_len(self) -> int:
@@ -127,11 +144,49 @@ class Request:
             self.decode_peak_kv_tokens = max(self.decode_peak_kv_tokens, tokens)
             self.decode_peak_kv_bytes = max(self.decode_peak_kv_bytes, nbytes)
 
-    def add_token(self, token: int, now: float) -> None:
-        """Append a sampled token and record when it arrived."""
+    def add_token(self, token: int, now: float) -> int:
+        """Append a sampled token (or, while budget forcing is pending, the next forced token instead) and
+        record when it arrived. Returns the token appended."""
+        if self.pending:
+            token = self.pending.pop(0)
         if self.output_ids:
             self.token_gaps.append(now - self.last_token_at)
         else:
             self.first_token_at = now
         self.last_token_at = now
         self.output_ids.append(token)
+        return token
+
+
+def _opens_think_end(text: str) -> int:
+    """Where in `text` the thinking's end marker starts (whole, or a prefix of >= 2 chars at the end), else -1."""
+    at = text.find(THINK_END)
+    if at >= 0:
+        return at
+    for k in range(len(THINK_END) - 1, 1, -1):
+        if text.endswith(THINK_END[:k]):
+            return len(text) - k
+    return -1
+
+
+def budget_force(tokenizer, r: Request) -> bool:
+    """s1 budget forcing (module docstring): if the newest token ends the thinking and forcing is left, replace
+    it by FORCE_TEXT's tokens (the first now, the rest queued in `r.pending`). Returns whether it forced."""
+    if r.forced >= r.sampling.force_wait or r.pending:
+        return False
+    tok = r.output_ids[-1]
+    if tok in r.eos_ids and not r.sampling.ignore_eos:
+        keep = ""
+    else:
+        text = tokenizer.decode([tok], skip_special_tokens=False)
+        at = _opens_think_end(text)
+        if at < 0:
+            return False
+        keep = text[:at]  # what the token wrote before the marker (e.g. ".\n" of a merged ".\n</")
+    before = tokenizer.decode(r.output_ids[-9:-1], skip_special_tokens=True) + keep
+    forced = keep + ("" if before.endswith("\n") else "\n\n") + FORCE_TEXT
+    ids = tokenizer.encode(forced, add_special_tokens=False)
+    r.output_ids[-1] = ids[0]
+    r.pending = ids[1:]
+    r.forced += 1
+    return True

@@ -36,7 +36,7 @@ from skipkv.attention import QueryBuffer, attention_backend
 from skipkv.cache import KVStore, SlotCache
 from skipkv.config import SamplingParams
 from skipkv.engine.engine import finish_reason, make_result
-from skipkv.engine.request import Request, RequestResult
+from skipkv.engine.request import Request, RequestResult, budget_force
 from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
 from skipkv.policies import Policy, make_policy
@@ -104,6 +104,8 @@ def branch(bundle, full: ModelRunner, policy: Policy, ids: list[int], sampling: 
 
 def _finish(bundle, req: Request, token: int) -> str | None:
     req.add_token(token, time.perf_counter())
+    if req.sampling.force_wait:
+        budget_force(bundle.tokenizer, req)
     req.finish_reason = finish_reason(bundle.tokenizer, req)
     return req.finish_reason
 

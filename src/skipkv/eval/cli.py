@@ -52,11 +52,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     knobs = {k[len("knob_"):]: v for k, v in vars(args).items() if k.startswith("knob_") and v is not None}
     budget = knobs.pop("budget", None)
     data_options = {"source": args.source, "data": args.data, "lengths": args.lengths, "depths": args.depths,
-                    "per_length": args.per_length, "seed": args.data_seed}
+                    "per_length": args.per_length, "seed": args.data_seed, "offset": args.offset}
     given = {
         "budget": budget, "budget_ratio": args.budget_ratio, "reference": args.reference, "limit": args.limit,
         "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "seed": args.seed, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+        "seed": args.seed, "max_new_tokens": args.max_new_tokens, "force_wait": args.force_wait, "batch_size": args.batch_size,
         "prefill_chunk": args.prefill_chunk, "kv_memory": args.kv_memory, "prompt_style": args.prompt_style,
         "dtype": args.dtype,
         "device": args.device,
@@ -98,6 +98,7 @@ def register(sub) -> None:
                    "length, or (long-context sets without --reference) of each example's length in tokens")
     p.add_argument("--reference", help="run dir of a full-cache run of the same model and dataset")
     p.add_argument("--limit", type=int, help="only the first N examples (default: all)")
+    p.add_argument("--offset", type=int, help="skip the first N examples (--limit counts from there)")
     p.add_argument("--samples", type=int, help=f"samples per example; pass@1 is averaged (default {d['samples']})")
     p.add_argument("--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
     p.add_argument("--top-p", type=float, help=f"default {d['top_p']}")
@@ -105,11 +106,15 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, help=f"sampling seed (default {d['seed']}); each (example, sample) "
                    "derives its own from it")
     p.add_argument("--max-new-tokens", type=int, help="generation cap (default: the dataset's)")
+    p.add_argument("--force-wait", type=int, help="s1 budget forcing: replace an end of thinking (EOS or "
+                   "</think>) by 'Wait' up to K times (default 0: off)")
     p.add_argument("--batch-size", type=int, help=f"default {d['batch_size']}")
     p.add_argument("--prefill-chunk", type=int,
                    help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
     p.add_argument("--kv-memory", type=kv_memory_arg, help="KV cache memory cap, e.g. 2GiB (default: no cap)")
-    p.add_argument("--prompt-style", choices=STYLES, help=f"default {d['prompt_style']}")
+    p.add_argument("--prompt-style", "--prompt", choices=STYLES,
+                   help=f"chat, raw, or r1think (math: thinking exemplars that re-check themselves); "
+                        f"default {d['prompt_style']}")
     p.add_argument("--dtype", help=f"default {d['dtype']}: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, else fp32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.add_argument("--device", help=f"default {d['device']}")

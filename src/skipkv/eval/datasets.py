@@ -50,11 +50,12 @@ class DataRequest:
     depths: tuple[float, ...] = ()  # niah only; () = default depths
     per_length: int | None = None  # examples per length (niah: per length x depth cell); None = default
     seed: int = 0  # data seed of the synthetic generators (not the sampling seed)
+    offset: int = 0  # skip this many examples (a --limit then counts from here): e.g. a calibration slice
     tokenizer: Any = None  # long-context lengths are counted in this tokenizer's tokens
     prompt_style: str = "chat"
 
 
-OPTION_KEYS = ("source", "data", "lengths", "depths", "per_length", "seed")
+OPTION_KEYS = ("source", "data", "lengths", "depths", "per_length", "seed", "offset")
 
 
 def data_request(options: Mapping[str, Any], tokenizer: Any = None, prompt_style: str = "chat") -> DataRequest:
@@ -63,6 +64,9 @@ def data_request(options: Mapping[str, Any], tokenizer: Any = None, prompt_style
     if unknown:
         raise SkipKVError(f"unknown dataset option {unknown[0]!r}; known: {', '.join(OPTION_KEYS)}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
+    offset = values.get("offset", 0)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise SkipKVError(f"dataset option offset must be an integer >= 0, got {offset!r}")
     return DataRequest(**values, tokenizer=tokenizer, prompt_style=prompt_style)
 
 

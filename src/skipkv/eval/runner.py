@@ -10,15 +10,16 @@ A run directory holds three files.
 config.json — the resolved run. Keys that change results (IDENTITY_KEYS) are compared when the same
 directory is used again; any difference is a SkipKVError, so one directory never mixes two setups:
   model, dtype, device           the model as loaded
-  dataset                        {name, grader, source/file/sha256 or generator parameters (lengths, depths, seed ...)}
-  prompt_style                   "chat" | "raw"
+  dataset                        {name, grader, source/file/sha256 or generator parameters (lengths, depths, seed ...),
+                                 offset (when > 0: the examples skipped before --limit counts)}
+  prompt_style                   "chat" | "raw" | "r1think" (eval/prompts.py)
   policy                         {name, budget, window, sink, interval, phase, + the policy's own knobs}
                                  (budget is null when it is set per prompt, see budget_mode)
   budget_mode                    "tokens" (given), "reference" (ratio x a full-cache run's mean generation
                                  length, the SkipKV/R-KV definition) or "prompt_length" (long-context sets
                                  without a reference: ratio x the example's nominal length in tokens)
   budget_ratio, budget_reference {mean_generated_tokens} of the reference run, or null
-  sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop}
+  sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop, force_wait (when > 0)}
   grader                         {name, + its settings}
   engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
                                  16-bit dtypes, see below)
@@ -132,6 +133,7 @@ class EvalConfig:
     top_k: int = _SAMPLING.top_k
     seed: int = _SAMPLING.seed
     max_new_tokens: int | None = knob(None, "None: the dataset's default", kind=int, gt=0)
+    force_wait: int = _SAMPLING.force_wait  # s1 budget forcing (SamplingParams.force_wait)
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
     kv_memory: int = knob(_ENGINE.kv_memory, "KV memory cap in bytes (0 = none; execution only: it does not "
@@ -159,7 +161,7 @@ class EvalConfig:
         check_fields(self, "eval")
         # The sampling and engine knobs are validated by the dataclasses that own their constraints.
         SamplingParams(max_new_tokens=self.max_new_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, seed=self.seed)
+                       top_k=self.top_k, seed=self.seed, force_wait=self.force_wait)
         EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk)
         if self.samples > 1 and self.temperature == 0:
             raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
@@ -447,7 +449,7 @@ def _open_run(cfg: EvalConfig, plan: _Plan, bundle: Any, created: list, shared_p
     dataset, policy, mode, max_new = plan.dataset, plan.policy, plan.mode, plan.max_new
     options = _check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
     request = data_request(options, bundle.tokenizer, cfg.prompt_style)
-    examples = dataset.load(request)
+    examples = dataset.load(request)[request.offset:]
     if cfg.limit is not None:
         examples = examples[:cfg.limit]
     # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any
@@ -464,14 +466,17 @@ def _open_run(cfg: EvalConfig, plan: _Plan, bundle: Any, created: list, shared_p
     if mode == "prompt_length" or not policy.compresses:
         policy_record["budget"] = None  # set per example (see budget_mode), or no budget applies
     sampling = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k, seed=cfg.seed, stop=plan.stop)
+                              top_k=cfg.top_k, seed=cfg.seed, stop=plan.stop, force_wait=cfg.force_wait)
     config = _jsonable({
         "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
-        "dataset": {"name": cfg.dataset, **dataset.identity(request)},
+        "dataset": {"name": cfg.dataset, **dataset.identity(request)}
+        | ({"offset": request.offset} if request.offset else {}),  # absent at 0: older run dirs still resume
         "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
         "budget_ratio": cfg.budget_ratio,
         "budget_reference": {"mean_generated_tokens": plan.ref_mean} if plan.ref_mean is not None else None,
-        "sampling": dataclasses.asdict(sampling), "grader": {"name": dataset.grader, **_public_fields(plan.grader)},
+        "sampling": {k: v for k, v in dataclasses.asdict(sampling).items()
+                     if k != "force_wait" or v},  # absent when off: older run dirs still resume
+        "grader": {"name": dataset.grader, **_public_fields(plan.grader)},
         "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
                    if k not in ("batch_size", "kv_memory", "prefill_budget")}
         | {"prefill_chunk": cfg.prefill_chunk}

@@ -8,19 +8,34 @@ Score of each older token = the R-KV score (λ·importance − (1−λ)·redunda
 `sentence_weight` × the similarity of the flagged sentence holding it (research/algorithms.md §3.5–§3.7):
 - a per-request tracker (skipkv/sentences) splits the stream, prompt included, into sentences that end with a
   delimiter token, and keeps each closed sentence's mean last-layer hidden state (normalised);
-- at each compression, once per request (`before_compress`), the sentences closed since the previous
-  compression are compared (cosine) with every earlier closed sentence; a pair above `tau` flags the EARLIER
-  sentence with that similarity. Flags accumulate over the request; a sentence flagged again keeps the
+- at each decode-time compression, once per request (`before_compress`), the sentences closed since the
+  previous compression are compared (cosine) with every earlier closed sentence; a pair above `tau` flags the
+  EARLIER sentence with that similarity. Flags accumulate over the request; a sentence flagged again keeps the
   larger similarity (the reference overwrites it with the later one);
-- every cached entry whose true position lies in a flagged sentence loses `sentence_weight · sim`. R-KV
-  scores are ~1e-3, so with weight 1 a flagged sentence is evicted whole unless it is in the window.
+- every cached entry whose true position lies in a flagged sentence loses `sentence_weight · sim`, except in a
+  head that holds fewer than `min_span_entries` (2) entries of that sentence: the reference subtracts over a
+  sentence's local span only when start < end, so a one-token sentence, or one of which a single entry
+  survived in that head, is never penalised. R-KV scores are ~1e-3, so with weight 1 a flagged sentence is
+  evicted whole unless it is in the window.
+- a compression at prefill is plain R-KV: no sentence is compared or flagged there (the reference has no
+  flagged range before its first decode interval). The prompt's sentences are compared at the first decode
+  compression like any other.
 Kept indices are sorted (shared `protect_and_select`). Membership is decided from each entry's stored true
 position, so there is no generation-space → cache-space span map to keep in sync (the reference's Φ).
 
+Check labels (`check_words`, skipkv/sentences/tracker.py): `reference_ids` (default) is the reference's
+token-id rule: the last token id of "Alternatively", "Wait", "again", the first one per forward chunk;
+`reference` and `seal` match keywords on the sentence's text.
+
 Steering (optional, `steering` = a file from `skipkv steer build`): α·v is added to the residual input of
-`steering_layer` at "\\n\\n" tokens (see skipkv/steering/gate.py), α = alpha0 − gamma · (check sentences so far),
-recomputed at each compression (`alpha_update=compression`, the reference) or at every token
-(`alpha_update=sentence`: the count is live, so α changes as soon as a check sentence closes).
+`steering_layer` at "\\n\\n" tokens (see skipkv/steering/gate.py), α = alpha0 − gamma · (check sentences so far).
+`alpha_update` says when α is recomputed:
+- `interval` (default, the reference): every `interval` generated tokens (Δt), whether or not the request is
+  over budget and compresses, so with a budget above the chain SkipKV + steering still adapts α (it is not
+  SEAL). The first recomputation is after `interval` generated tokens; before it α = alpha0. Where the
+  reference's step counter starts is not documented; counting generated tokens is our choice.
+- `compression`: at each decode compression only (the behaviour before reference parity);
+- `sentence`: at every token (the count is live, so α changes as soon as a check sentence closes).
 
 `protect_prompt` (an analysis knob, default off): prompt entries are never evicted and `budget` counts generated
 tokens only. The request holds prompt_len + budget entries after each compression and up to prompt_len +
@@ -28,9 +43,8 @@ budget + interval before one (its capacity grows by the prompt length); nothing 
 Prompt sentences are still tracked, compared and can be flagged (flags on them have no effect).
 
 Departures from the reference code (TTTTTTris/SkipKV, skipkv/compression/skipkv.py): no pads exist in our
-slots, so there is no pad score of 100; sentence labels match keywords on the sentence's text (see
-skipkv/sentences/tracker.py), not single token ids; the comparison runs once per request per compression (not
-per layer); a sentence flagged twice keeps its largest similarity.
+slots, so there is no pad score of 100; the comparison runs once per request per compression (not per layer);
+a sentence flagged twice keeps its largest similarity.
 """
 
 from __future__ import annotations
@@ -75,12 +89,16 @@ class SkipKV(SteeringKnobs, RKV):
                            "mode ids uses the last token id of each")
     sentence_mode: str = knob("ids", "ids: delimiter token ids; text: any token whose text ends in a newline",
                               choices=("ids", "text"))
-    check_words: str = knob("reference", "check keywords: reference (Alternatively, Wait, again) or seal",
+    check_words: str = knob("reference_ids", "check labels: reference_ids (token ids of Alternatively, Wait, again, "
+                            "first per forward; the reference), reference (those words in the text) or seal",
                             choices=CHECK_WORD_SETS)
     protect_prompt: bool = knob(False, "never evict prompt entries; budget counts generated tokens")
+    min_span_entries: int = knob(2, "a flagged sentence is penalised in a head only if the head holds at least "
+                                 "this many of its entries (2 = reference: spans with start >= end are skipped)",
+                                 ge=1)
     gamma: float = knob(0.02, "gamma: steering coefficient change per check sentence", ge=0.0)
-    alpha_update: str = knob("compression", "recompute alpha at each compression or at every sentence",
-                             choices=("compression", "sentence"))
+    alpha_update: str = knob("interval", "recompute alpha every interval generated tokens (reference), at each "
+                             "compression, or at every token", choices=("interval", "compression", "sentence"))
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries", "hidden"})
 
@@ -111,9 +129,16 @@ class SkipKV(SteeringKnobs, RKV):
         return SkipKVState(len(prompt_ids), SentenceTracker(tables), self._steer_state(tables, prompt_ids))
 
     def observe(self, state: SkipKVState, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        state.tracker.observe(token_ids, hidden)
+        tr = state.tracker
+        tr.observe(token_ids, hidden)
+        generated = tr.next_pos - state.prompt_len  # generated tokens fed so far (decode feeds one per step)
+        if (state.steer is not None and self.alpha_update == "interval" and generated > 0
+                and generated % self.interval == 0):
+            state.steer.alpha = self.alpha0 - self.gamma * tr.num_check
 
     def before_compress(self, states: list, is_prefill: bool) -> None:
+        if is_prefill:  # plain R-KV at prefill (the reference flags nothing before its first interval)
+            return
         for st in states:
             tr = st.tracker
             S = tr.num_closed
@@ -125,7 +150,7 @@ class SkipKV(SteeringKnobs, RKV):
                 st.flagged = (torch.tensor([tr.starts[i] for i in hit], dtype=torch.long),
                               torch.tensor([tr.ends[i] for i in hit], dtype=torch.long),
                               torch.tensor([st.flags[i] for i in hit], dtype=torch.float32))
-            if st.steer is not None:
+            if st.steer is not None and self.alpha_update == "compression":
                 st.steer.alpha = self.alpha0 - self.gamma * tr.num_check
 
     def coefficient(self, state: SkipKVState) -> float:
@@ -153,7 +178,8 @@ class SkipKV(SteeringKnobs, RKV):
         for b, st in enumerate(obs.states):  # per request: each has its own flagged spans
             starts, ends, sims = st.flagged
             if starts.numel():
-                s[b] -= self.sentence_weight * span_penalty(obs.positions[b], starts, ends, sims).to(s.dtype)
+                pen = span_penalty(obs.positions[b], starts, ends, sims, self.min_span_entries)  # [H, n]
+                s[b] -= self.sentence_weight * pen.to(s.dtype)
         return s
 
     def select(self, obs: Observation) -> torch.Tensor:
@@ -171,8 +197,14 @@ class SkipKV(SteeringKnobs, RKV):
 
     # ------------------------------------------------------------------------------------ reporting
     def stats(self, state: SkipKVState) -> dict:
-        out = {"sentences": state.tracker.num_closed, "check_sentences": state.tracker.num_check,
-               "flagged_sentences": sum(1 for f in state.flags if f > 0)}
+        tr = state.tracker
+        # Chain redundancy independent of compression: generated sentences that a later sentence repeats at
+        # cosine > tau, over the whole request (what flags a budget above the chain would never apply).
+        late = flag_earlier(tr.representations(), 0, self.tau) if tr.num_closed > 1 else torch.zeros(0)
+        out = {"sentences": tr.num_closed, "check_sentences": tr.num_check,
+               "flagged_sentences": sum(1 for f in state.flags if f > 0),
+               "redundant_sentences": sum(1 for i, f in enumerate(late.tolist())
+                                          if f > 0 and tr.starts[i] >= state.prompt_len)}
         if state.steer is not None:
             out["steered_tokens"] = state.steer.steered
         return out

@@ -26,11 +26,14 @@ def flag_earlier(reps: torch.Tensor, first_new: int, tau: float) -> torch.Tensor
     return torch.where(hit, sims, torch.zeros_like(sims)).amax(dim=0).clamp(min=0)
 
 
-def span_penalty(positions: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, sims: torch.Tensor) -> torch.Tensor:
+def span_penalty(positions: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, sims: torch.Tensor,
+                 min_entries: int = 1) -> torch.Tensor:
     """For each true position, the value `sims[f]` of the span f = [starts[f], ends[f]] holding it, else 0.
 
     Spans are sorted by start and disjoint (starts, ends, sims [F]); membership is a searchsorted over the
-    starts plus a check against the end, so no index into the cache is ever stored."""
+    starts plus a check against the end, so no index into the cache is ever stored. `min_entries`: a span
+    counts in a row (the last dim of `positions`, e.g. one head's cache) only if at least this many of the
+    row's positions lie in it (SkipKV skips a local span with start >= end, i.e. fewer than 2 entries)."""
     out = torch.zeros(positions.shape, dtype=sims.dtype, device=positions.device)
     if starts.numel() == 0:
         return out
@@ -40,4 +43,8 @@ def span_penalty(positions: torch.Tensor, starts: torch.Tensor, ends: torch.Tens
     idx = torch.searchsorted(starts, pos, right=True) - 1  # the last span starting at or before pos
     safe = idx.clamp(min=0)
     inside = (idx >= 0) & (pos <= ends[safe])
+    if min_entries > 1:  # entries of each span per row: [..., F] counts, looked up for each entry
+        counts = torch.zeros(*pos.shape[:-1], starts.numel(), dtype=torch.long, device=dev)
+        counts.scatter_add_(-1, safe, inside.long())
+        inside &= counts.gather(-1, safe) >= min_entries
     return torch.where(inside, sims[safe], out)

@@ -1,6 +1,6 @@
 """Per-request streaming sentence tracker: boundaries, labels and mean last-layer hidden states.
 
-    tables = TokenTables.build(tokenizer, delimiters=REFERENCE_DELIMITERS, mode="ids", check_words="reference")
+    tables = TokenTables.build(tokenizer, delimiters=REFERENCE_DELIMITERS, mode="ids", check_words="reference_ids")
     tr = SentenceTracker(tables)
     tr.observe(token_ids, hidden)          # every forward: token_ids [T], hidden [T, E] (after the final norm)
     tr.starts, tr.ends, tr.is_check        # closed sentences, true positions [start, end] inclusive
@@ -14,11 +14,14 @@ text ends in a newline (mode "text", for tokenizers where the id trick misses me
 Memory: a closed sentence costs one normalised [E] vector plus three scalars; the open sentence keeps a
 running [E] sum and its token ids (for the keyword label). No per-token hidden state is kept.
 
-Labels (`check` / `other`): a sentence is `check` when its decoded text contains a check keyword as a whole
-word. Departure from the reference (which matches the single token id `encode(w)[-1]` of each keyword, so
-" Wait" or " again" after a space are missed, and on byte-level tokenizers the last byte would match):
-matching is on the sentence's text. `reference` words (Alternatively, Wait, again) are case-sensitive like
-the reference; `seal` uses SEAL's reflection and transition phrases, case-insensitive like SEAL's recipe.
+Labels (`check` / `other`), three modes (`check_words`):
+- `reference_ids` (the default; SkipKV's `check_punct_tokens_in_forward`, research/algorithms.md §3.3): the
+  check tokens are `tokenizer.encode(w)[-1]` for w in (Alternatively, Wait, again); in each forward only the
+  FIRST check token of its chunk is recorded (so a prompt prefilled in one forward records at most one), and a
+  sentence is `check` when a recorded position lies inside it. Like the reference, " Wait" after a space is a
+  different token and is missed, and on a byte-level tokenizer the last byte of each word matches.
+- `reference`: the same words matched as whole words, case-sensitive, on the sentence's decoded text.
+- `seal`: SEAL's reflection and transition phrases on the text, case-insensitive like SEAL's recipe.
 
 Per forward, the work is vectorised over its T tokens (one index_add for the sums); the only Python loop is
 over the sentences that close in that forward (to decode their text for the label).
@@ -40,7 +43,7 @@ SEAL_TRANSITION = ("alternatively", "think differently", "another way", "another
                    "another solution", "another strategy", "another technique")
 SEAL_REFLECTION = ("wait", "verify", "make sure", "hold on", "think again", "'s correct", "'s incorrect",
                    "let me check", "seems right")
-CHECK_WORD_SETS = ("reference", "seal")
+CHECK_WORD_SETS = ("reference_ids", "reference", "seal")
 
 
 def parse_delimiters(spec: str) -> tuple[str, ...]:
@@ -60,7 +63,7 @@ def keyword_pattern(words: tuple[str, ...], ignore_case: bool) -> re.Pattern:
 
 
 def check_pattern(check_words: str) -> re.Pattern:
-    if check_words == "reference":
+    if check_words in ("reference", "reference_ids"):
         return keyword_pattern(REFERENCE_CHECK_WORDS, ignore_case=False)
     return keyword_pattern(SEAL_TRANSITION + SEAL_REFLECTION, ignore_case=True)
 
@@ -85,7 +88,8 @@ class TokenTables:
     """Per-tokenizer lookup tables, built once per policy instance and shared by its requests.
 
     delimiter [V] bool: the token closes a sentence. Ids at or above V (a model vocabulary larger than the
-    tokenizer's, as in random models) are never delimiters. The steering gate's tables: has_nn (text contains
+    tokenizer's, as in random models) are never delimiters. check_ids [V] bool: the reference's check tokens
+    (mode `reference_ids`), else None (labels come from the `check` pattern on the sentence's text). The steering gate's tables: has_nn (text contains
     "\\n\\n"), starts_nl / ends_nl (text starts / ends with "\\n"); think_open / think_close: ids of <think> and
     </think>, or None.
     """
@@ -95,13 +99,14 @@ class TokenTables:
     starts_nl: torch.Tensor
     ends_nl: torch.Tensor
     check: re.Pattern
+    check_ids: torch.Tensor | None
     think_open: int | None
     think_close: int | None
     tokenizer: object
 
     @classmethod
     def build(cls, tokenizer, delimiters: str = REFERENCE_DELIMITERS, mode: str = "ids",
-              check_words: str = "reference", gate: bool = False) -> "TokenTables":
+              check_words: str = "reference_ids", gate: bool = False) -> "TokenTables":
         """Decoding the whole vocabulary (seconds for 150K tokens) happens only when needed: text mode, or the
         steering gate's tables (`gate`); otherwise those tables are empty (every lookup is False)."""
         texts = token_texts(tokenizer) if (mode == "text" or gate) else []
@@ -115,7 +120,12 @@ class TokenTables:
         else:
             delim = torch.tensor([t.endswith("\n") for t in texts], dtype=torch.bool)
         vocab = tokenizer.get_vocab()
-        return cls(delimiter=delim,
+        check_ids = None
+        if check_words == "reference_ids":
+            check_ids = torch.zeros(V, dtype=torch.bool)
+            for w in REFERENCE_CHECK_WORDS:  # the reference's tokenizer.encode(w)[-1] (BOS or not, the last id)
+                check_ids[tokenizer.encode(w, add_special_tokens=False)[-1]] = True
+        return cls(delimiter=delim, check_ids=check_ids,
                    has_nn=torch.tensor([("\n\n" in t) for t in texts], dtype=torch.bool),
                    starts_nl=torch.tensor([t.startswith("\n") for t in texts], dtype=torch.bool),
                    ends_nl=torch.tensor([t.endswith("\n") for t in texts], dtype=torch.bool),
@@ -147,6 +157,7 @@ class SentenceTracker:
         self.open_sum: torch.Tensor | None = None  # [E] running sum of the open sentence's hidden states
         self.open_count = 0
         self.open_ids: list[int] = []
+        self.check_pos: list[int] = []  # reference_ids mode: recorded check-token positions not yet in a closed sentence
 
     @property
     def num_closed(self) -> int:
@@ -178,6 +189,11 @@ class SentenceTracker:
         counts[0] += self.open_count
         delim_idx = torch.nonzero(is_delim).flatten().tolist()
         ids = token_ids.tolist()
+        by_ids = self.tables.check_ids is not None
+        if by_ids:
+            hits = torch.nonzero(self.tables.lookup(self.tables.check_ids, token_ids)).flatten()
+            if hits.numel():  # the reference records only the first check token of a forward
+                self.check_pos.append(self.next_pos + int(hits[0]))
         if closed:
             means = sums[:closed] / counts[:closed, None].to(acc)
             reps = means / (means.norm(dim=-1, keepdim=True) + 1e-8)
@@ -188,7 +204,12 @@ class SentenceTracker:
                 sent_ids = (self.open_ids if k == 0 else []) + ids[prev:d + 1]
                 self.starts.append(start)
                 self.ends.append(self.next_pos + d)
-                self.is_check.append(self.tables.is_check_text(sent_ids))
+                end = self.next_pos + d
+                if by_ids:
+                    self.is_check.append(any(start <= p <= end for p in self.check_pos))
+                    self.check_pos = [p for p in self.check_pos if p > end]
+                else:
+                    self.is_check.append(self.tables.is_check_text(sent_ids))
                 prev = d + 1
             self.open_start = self.next_pos + prev
             self.open_ids = ids[prev:]

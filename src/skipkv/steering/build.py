@@ -130,7 +130,8 @@ def build_from_chains(bundle, chains: list[tuple[str, list[int], list[int]]], la
 
 
 def build(model: str, dataset: str, layers: list[int], out: str, limit: int, offset: int = 0,
-          max_new_tokens: int = 256, prompt_style: str = "chat", dtype: str = "auto", batch_size: int = 8) -> dict:
+          max_new_tokens: int = 256, prompt_style: str = "chat", dtype: str = "auto", batch_size: int = 8,
+          force_wait: int = 0) -> dict:
     """The whole command: chains -> vectors -> file at `out`. Returns the metadata written."""
     from skipkv.config import EngineConfig, SamplingParams
     from skipkv.engine import generate
@@ -145,7 +146,7 @@ def build(model: str, dataset: str, layers: list[int], out: str, limit: int, off
         raise SkipKVError("--limit and --max-new-tokens must be positive and --offset >= 0")
     prompts.check_style(prompt_style)
     ds = get_dataset(dataset)
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, force_wait=force_wait)
     bundle = load_model(model, dtype=dtype)
     num_layers = bundle.model.config.num_hidden_layers
     bad = [L for L in layers if not 0 <= L < num_layers]
@@ -161,7 +162,7 @@ def build(model: str, dataset: str, layers: list[int], out: str, limit: int, off
               for ex, p, r in zip(examples, ids, results)]
     vectors, meta = build_from_chains(bundle, chains, sorted(set(layers)))
     meta = {"model": model, "dataset": dataset, "offset": offset, "limit": limit, "max_new_tokens": max_new_tokens,
-            "prompt_style": prompt_style, "dtype": str(bundle.dtype).removeprefix("torch."),
+            "prompt_style": prompt_style, "force_wait": force_wait, "dtype": str(bundle.dtype).removeprefix("torch."),
             "recipe": "mean(reflection+transition) - mean(execution), hidden entering the layer at the \\n\\n "
                       "token before each step; SEAL keyword classes", **meta}
     SteeringFile.save(out, vectors, meta)

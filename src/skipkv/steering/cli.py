@@ -21,7 +21,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from skipkv.steering.build import build
 
     meta = build(args.model, args.dataset, args.layers, args.out, args.limit, args.offset, args.max_new_tokens,
-                 args.prompt_style, args.dtype, args.batch_size)
+                 args.prompt_style, args.dtype, args.batch_size, args.force_wait)
     print(f"{args.out}: layers {sorted(set(args.layers))}, best {meta['best_layer']}, "
           f"steps {json.dumps(meta['counts'])}, held-out separability {json.dumps(meta['separability'])}")
     return 0
@@ -38,7 +38,9 @@ def register(sub) -> None:
     b.add_argument("--layers", type=_layers, required=True, help="comma-separated decoder layers, e.g. 8,12,16")
     b.add_argument("--out", required=True, help="output .safetensors file")
     b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--prompt-style", default="chat", choices=("chat", "raw"))
+    b.add_argument("--prompt-style", "--prompt", default="chat", choices=("chat", "raw", "r1think"),
+                   help="the eval prompt recipe (r1think: the reflective testbed, eval/prompts.py)")
+    b.add_argument("--force-wait", type=int, default=0, help="s1 budget forcing, as in eval (default 0: off)")
     b.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
     b.add_argument("--batch-size", type=int, default=8)
     b.set_defaults(func=cmd_build)
