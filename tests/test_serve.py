@@ -24,6 +24,7 @@ from skipkv.config import EngineConfig  # noqa: E402
 from skipkv.engine import Engine  # noqa: E402
 from skipkv.models import load_model  # noqa: E402
 from skipkv.serve.app import create_app  # noqa: E402
+from skipkv.serve.guard import server_config  # noqa: E402
 from skipkv.serve.protocol import ServerSettings, TextStream  # noqa: E402
 
 MODEL = "random:qwen2"
@@ -41,13 +42,16 @@ def one_torch_thread():
 
 
 @contextmanager
-def serving(app):
-    """Run `app` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
+def serving(app, settings: ServerSettings | None = None, handle: dict | None = None):
+    """Run `app` with uvicorn, configured as `skipkv serve` runs it, on a free 127.0.0.1 port in a thread;
+    yields the base URL. `handle` receives the uvicorn server and its thread (to stop it in a test)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(server_config(app, settings or ServerSettings(), "127.0.0.1", 0, "warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    if handle is not None:
+        handle.update(server=server, thread=thread)
     deadline = time.monotonic() + 20
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"

@@ -5,6 +5,7 @@
     skipkv bench throughput --model random:qwen2:0.5b --workload synthetic:128x512 --requests 32 \
         --kv-memory 48MiB --policies full,rkv --budget 64 --interval 32 --out docs/bench_throughput_quick.json
     skipkv bench serve --url http://127.0.0.1:8000 --concurrency 1,4,16 --requests 16 --dataset gsm8k
+    skipkv bench serve --url http://127.0.0.1:8000 --soak 10 --out soak.json
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from skipkv.bench.serve import run_bench
     from skipkv.eval.datasets import dataset_names
 
+    if args.soak is not None:
+        from skipkv.bench.soak import run_soak
+
+        run_soak(args.url, args.soak, args.api_key, args.out, args.seed)
+        return 0
+
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x]
     except ValueError:
@@ -175,4 +182,8 @@ def register(sub) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens per request")
     s.add_argument("--api-key", help="the server's API key, if it has one")
     s.add_argument("--out", help="write the JSON report here")
+    s.add_argument("--soak", type=float, metavar="MINUTES",
+                   help="instead: MINUTES of mixed normal and hostile clients (disconnecting, oversized, malformed, "
+                        "slow) against a server on this machine; requests by outcome, latency, RSS, KV at the end")
+    s.add_argument("--seed", type=int, default=0, help="--soak: the clients' random choices")
     s.set_defaults(func=cmd_serve)

@@ -18,17 +18,55 @@ import re
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+class StopMatcher:
+    """Knuth-Morris-Pratt over a growing text for one stop string: `feed` costs O(1) amortised per character,
+    so a stream's stop checks are linear in its text whatever the stop string's length (re-searching the
+    whole text, or every prefix of the stop string, each token was quadratic)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        fail = [0] * len(stop)  # fail[i]: length of the longest proper border of stop[:i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self.fail = fail
+        self.held = 0  # the longest suffix of the text fed so far that begins `stop` (the KMP state)
+        self.found: int | None = None  # where the first occurrence starts, once there is one
+        self.fed = 0
+
+    def feed(self, text: str) -> None:
+        if self.found is not None:
+            return
+        stop, fail, k = self.stop, self.fail, self.held
+        for i, ch in enumerate(text):
+            while k and ch != stop[k]:
+                k = fail[k - 1]
+            if ch == stop[k]:
+                k += 1
+                if k == len(stop):
+                    self.found = self.fed + i + 1 - k
+                    break
+        self.fed += len(text)
+        self.held = k
+
+
 class TextStream:
     """Turns a request's tokens into text deltas for streaming, so that the deltas add up to exactly the
     final text (`make_result`'s: special tokens skipped, cut at a stop string).
 
     Text is decoded from a window of recent tokens (vLLM's prefix/read offsets: O(1) tokens per step, not the
     whole output); a delta ending in an incomplete UTF-8 sequence, or in a run of byte-fallback pieces, waits for
-    the next token, and text that may be the start of a stop string is held back until it is known not to be one.
+    the next token, and text that may be the start of a stop string is held back until it is known not to be one
+    (`StopMatcher`: linear in the text, whatever the stop strings' length).
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
+        self.matchers = [StopMatcher(s) for s in stop]
         self.ids: list[int] = []
         self.special = frozenset(tokenizer.all_special_ids)  # skipped when decoding
         self.prefix_at = self.read_at = 0
@@ -52,18 +90,14 @@ class TextStream:
         before = self._decode(self.ids[self.prefix_at:self.read_at])
         now = self._decode(self.ids[self.prefix_at:])
         if len(now) > len(before) and not now.endswith("\ufffd") and not self._in_byte_run():
-            self.text += now[len(before):]
+            new = now[len(before):]
+            self.text += new
             self.prefix_at, self.read_at = self.read_at, len(self.ids)
-        safe = len(self.text)
-        for s in self.stop:
-            at = self.text.find(s)
-            if at >= 0:
-                safe = min(safe, at)
-            else:  # the longest suffix of the text that begins `s` may still become `s`
-                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        safe = min(safe, len(self.text) - k)
-                        break
+            for m in self.matchers:
+                m.feed(new)
+        found = [m.found for m in self.matchers if m.found is not None]
+        # Safe: up to the first stop string found, else all but the longest tail that may begin one.
+        safe = min(found) if found else len(self.text) - max((m.held for m in self.matchers), default=0)
         if safe <= self.sent:
             return ""
         out, self.sent = self.text[self.sent:safe], safe

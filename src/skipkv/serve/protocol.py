@@ -15,17 +15,24 @@ nothing is silently ignored; fields OpenAI does not define are ignored, as OpenA
 from __future__ import annotations
 
 import json
+import reprlib
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from skipkv.config import SamplingParams, check_fields, knob
-from skipkv.engine.detokenize import TextStream  # noqa: F401 - re-exported: app.py and tests import it from here
+from skipkv.engine.detokenize import StopMatcher, TextStream  # noqa: F401 - re-exported: app.py and tests import them from here
 from skipkv.engine.request import encode_prompt
 from skipkv.errors import SkipKVError
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+# The engine re-decodes len(stop) + 8 tokens after every token to look for a stop string (engine.finish_reason):
+# a bound on the length bounds that work; a longer stop string is refused, not cut.
+MAX_STOP_CHARS = 512
+ECHO_CHARS = 120  # what an error message quotes of a client's value at most
+MAX_MESSAGE_CHARS = 1000  # an error message at most
+NORMALIZER_SLACK = 3  # a Unicode normaliser (NFC) may fold up to 3 code points into 1 (Hangul L+V+T)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # OpenAI parameters without an implementation here: accepted only with the value that means "off".
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0, "echo": False,
@@ -48,11 +55,26 @@ class APIError(Exception):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    # Messages quote clients' values through echo(); the cut is for messages built elsewhere (the engine's).
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "..."
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+class _Echo(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()  # sets the defaults as instance attributes (Python 3.11 takes no keywords)
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, ECHO_CHARS, ECHO_CHARS, 40
+        self.maxlist = self.maxdict = self.maxtuple = self.maxset = 6
+
+
+def echo(v: Any) -> str:
+    """A client's value quoted in an error message: bounded, so that a 1 MB field gives a short error."""
+    return _Echo().repr(v)[: 2 * ECHO_CHARS]
 
 
 @dataclass(frozen=True)
@@ -62,7 +84,12 @@ class ServerSettings:
     model_name: str = ""  # the id clients pass as `model` ("" = the --model string)
     api_key: str = ""  # "" = no authentication
     max_tokens_cap: int = knob(4096, "max_tokens allowed per request at most", gt=0)
-    max_queue: int = knob(256, "waiting requests at most; more get HTTP 429", gt=0)
+    max_queue: int = knob(256, "requests waiting for a slot at most; more get HTTP 429", gt=0)
+    # 4 MiB holds a 128K-token prompt as text or as token ids; a larger body gets 413 before it is read.
+    max_body_bytes: int = knob(4 << 20, "request body bytes at most; more get HTTP 413", gt=0)
+    read_timeout: float = knob(30.0, "seconds a client may take to send a request's headers, and its body", gt=0)
+    max_connections: int = knob(512, "open connections at most; more are closed at once", gt=0)
+    shutdown_timeout: float = knob(10.0, "seconds in-flight requests may run on after SIGTERM", ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "server")
@@ -70,11 +97,20 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server allows: its model name, the model's context, the cap on max_tokens."""
+    """What the server allows: its model name, the model's context, the cap on max_tokens, and the most
+    characters a token of its tokenizer spells (`max_token_chars`), which bounds a text's token count from
+    below before it is encoded."""
 
     model: str
     max_context: int
     max_tokens_cap: int
+    max_token_chars: int
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can cover: its vocabulary entry's length (a byte-level entry has one
+    character per byte, so this bounds UTF-8 bytes; a SentencePiece entry has one per character)."""
+    return max(len(t) for t in tokenizer.get_vocab())
 
 
 @dataclass(frozen=True)
@@ -88,14 +124,67 @@ class Parsed:
     include_usage: bool
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def load_body(raw: bytes) -> dict:
+    """The body as a JSON object, or APIError 400 for anything else: invalid UTF-8 or JSON, NaN/Infinity,
+    nesting past the interpreter's recursion limit, an integer past Python's digit limit, a lone surrogate."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit integer, NaN
+        raise bad(f"the request body is not valid JSON: {str(exc)[:ECHO_CHARS]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
+    _check_strings(body)
     return body
+
+
+def _check_strings(body: dict) -> None:
+    """Refuse lone surrogates (JSON's "\\ud800" escapes): no tokenizer or UTF-8 encoder takes them."""
+    todo: list = [body]
+    while todo:  # iterative: json.loads already bounded the depth, this walk needs no stack of its own
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)",
+                          code="invalid_json") from None
+
+
+PREFIX_CHARS_PER_TOKEN = 8  # the prefix check encodes this many characters per context position
+
+
+def encode_bounded(tokenizer, text: str, limits: Limits, param: str) -> list[int]:
+    """Token ids of a text prompt (as `encode_prompt`), refusing a text that surely exceeds the model's context
+    before paying for its whole encode (a 4 MB prompt costs seconds of tokenizer time).
+
+    Two lower bounds on the text's token count, cheapest first: its characters over the longest token
+    (allowing a normaliser's folding), then the tokens of a prefix cut at a pre-token boundary (the tokenizer
+    splits the text there too, so the prefix's tokens are the text's first tokens; a special token's text cut in
+    two can add up to `max_token_chars` tokens, which the bound subtracts).
+    """
+    ctx = limits.max_context
+    least = len(text) // (limits.max_token_chars * NORMALIZER_SLACK)
+    if least < ctx and len(text) > PREFIX_CHARS_PER_TOKEN * ctx:
+        pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+        if pre is not None:
+            pieces = pre.pre_tokenize_str(text[: PREFIX_CHARS_PER_TOKEN * ctx])
+            cut = pieces[-1][1][0] if pieces else 0
+            least = len(tokenizer(text[:cut], add_special_tokens=False)["input_ids"]) - limits.max_token_chars
+    if least >= ctx:
+        raise bad(f"the prompt has more than {least} tokens; the model's context is {ctx}", param,
+                  "context_length_exceeded")
+    return encode_prompt(tokenizer, text)
 
 
 def _is_int(v: Any) -> bool:
@@ -107,7 +196,7 @@ def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise bad(f"{key} must be a number in [{lo}, {hi}], got {v!r}", key)
+        raise bad(f"{key} must be a number in [{lo}, {hi}], got {echo(v)}", key)
     return float(v)
 
 
@@ -116,7 +205,7 @@ def _bool(body: dict, key: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise bad(f"{key} must be true or false, got {v!r}", key)
+        raise bad(f"{key} must be true or false, got {echo(v)}", key)
     return v
 
 
@@ -126,26 +215,28 @@ def _stops(body: dict) -> tuple[str, ...]:
         return ()
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, got {v!r}", "stop")
+        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, got {echo(v)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"a stop string may have {MAX_STOP_CHARS} characters at most, got {max(map(len, stops))}", "stop")
     return tuple(stops)
 
 
 def _check_common(body: dict, limits: Limits) -> None:
     model = body.get("model")
     if not isinstance(model, str):
-        raise bad(f"model must be a string, got {model!r}", "model")
+        raise bad(f"model must be a string, got {echo(model)}", "model")
     if model != limits.model:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.model!r}", "model",
+        raise APIError(404, f"the model {echo(model)} does not exist; this server serves {limits.model!r}", "model",
                        "model_not_found")
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
-        raise bad(f"only n = 1 is supported, got {n!r}", "n")
+        raise bad(f"only n = 1 is supported, got {echo(n)}", "n")
     for key, off in NEUTRAL.items():
         v = body.get(key)
         if v is not None and not (v == off and isinstance(v, bool) == isinstance(off, bool)):
-            raise bad(f"{key} is not supported by this server (got {v!r})", key, "unsupported_parameter")
+            raise bad(f"{key} is not supported by this server (got {echo(v)})", key, "unsupported_parameter")
     if "user" in body and not isinstance(body["user"], (str, type(None))):
-        raise bad(f"user must be a string, got {body['user']!r}", "user")
+        raise bad(f"user must be a string, got {echo(body['user'])}", "user")
 
 
 def _sampling(body: dict, prompt_len: int, limits: Limits, tokens_key: str) -> SamplingParams:
@@ -158,9 +249,9 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, tokens_key: str) -> S
         key = keys[0]
         m = body[key]
         if not _is_int(m) or m <= 0:
-            raise bad(f"{key} must be a positive integer, got {m!r}", key)
+            raise bad(f"{key} must be a positive integer, got {echo(m)}", key)
         if m > limits.max_tokens_cap:
-            raise bad(f"{key} is {m}; this server allows at most {limits.max_tokens_cap}", key)
+            raise bad(f"{key} is {echo(m)}; this server allows at most {limits.max_tokens_cap}", key)
         if m > room:
             raise bad(f"the prompt has {prompt_len} tokens and {key} is {m}; the model's context is "
                       f"{limits.max_context}", key, "context_length_exceeded")
@@ -172,7 +263,7 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, tokens_key: str) -> S
         raise bad("top_p must be > 0", "top_p")
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise bad(f"seed must be a non-negative integer, got {seed!r}", "seed")
+        raise bad(f"seed must be a non-negative integer, got {echo(seed)}", "seed")
     if seed is None:
         seed = secrets.randbits(63)  # OpenAI's semantics: without a seed, sampling is not reproducible
     try:
@@ -186,11 +277,11 @@ def _tail(body: dict, ids: list[int], limits: Limits, tokens_key: str) -> Parsed
     sampling = _sampling(body, len(ids), limits, tokens_key)
     budget = body.get("kv_budget")
     if budget is not None and (not _is_int(budget) or budget <= 0):
-        raise bad(f"kv_budget must be a positive integer, got {budget!r}", "kv_budget")
+        raise bad(f"kv_budget must be a positive integer, got {echo(budget)}", "kv_budget")
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
-        raise bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {opts!r}", "stream_options")
+        raise bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {echo(opts)}", "stream_options")
     return Parsed(ids, sampling, budget, stream, bool(opts and opts.get("include_usage")))
 
 
@@ -203,7 +294,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> Parsed:
     if isinstance(p, str):
         if not p:
             raise bad("prompt is empty", "prompt")
-        ids = encode_prompt(tokenizer, p)
+        ids = encode_bounded(tokenizer, p, limits, "prompt")
     elif isinstance(p, list) and p and all(_is_int(t) for t in p):
         vocab = len(tokenizer)
         if not all(0 <= t < vocab for t in p):
@@ -238,7 +329,7 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> Parsed:
     if not getattr(tokenizer, "chat_template", None):
         raise bad("this model has no chat template; use /v1/completions", "messages")
     text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    return _tail(body, encode_prompt(tokenizer, text), limits, "max_completion_tokens")
+    return _tail(body, encode_bounded(tokenizer, text, limits, "messages"), limits, "max_completion_tokens")
 
 
 # ---------------------------------------------------------------------------------------- responses

@@ -8,6 +8,12 @@ The thread loops: drain new requests and aborts (a thread-safe inbox under a con
 queue through `loop.call_soon_threadsafe`: ("accepted",), ("tokens", [ids]), ("done", RequestResult) or
 ("error", status, message). Concurrent clients share the engine's batch (continuous batching).
 
+The queue limit counts only requests that truly wait for a slot: a new request is judged after the engine
+step that follows its arrival (the step admits what fits). Admission is first come, first served (the server turns batch grouping off),
+so the engine's W waiting requests are the W newest live ones; a new one among them beyond `max_queue` is
+dropped with HTTP 429, any other is accepted. Requests that merely sat in the inbox while the engine
+stepped, or that a free slot takes at once, never count.
+
 Nothing but this thread touches the Engine (it is not thread-safe); the handlers keep their own copy of
 the tokenizer. An abort is applied before the next step, so a disconnected client's slot and memory are
 freed within one engine step. A request the engine refuses (a budget it cannot run, a reservation that
@@ -18,6 +24,7 @@ of that step (their states are unknown) with HTTP 500, and the engine is rebuilt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -41,6 +48,7 @@ class Job:
     kv_budget: int | None
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: bool = False  # engine thread only: past the queue limit check
 
     def push(self, event: tuple) -> bool:
         """Hand an event to the request's event loop; False if that loop is gone."""
@@ -51,20 +59,21 @@ class Job:
             return False
 
 
-class QueueFull(Exception):
-    pass
+class Stopping(Exception):
+    """The server is shutting down: no new requests."""
 
 
 class EngineWorker:
     def __init__(self, bundle, policy, config: EngineConfig, max_queue: int) -> None:
+        # First come, first served: fair to long prompts, and what the queue accounting relies on.
+        config = dataclasses.replace(config, group_by_length=False)
         self.bundle, self.policy, self.config, self.max_queue = bundle, policy, config, max_queue
         self.engine = Engine(bundle, policy, config)  # built here so a bad policy/config fails at startup
         self._cond = threading.Condition()
         self._inbox: list[Job] = []
         self._aborts: list[str] = []
         self._stopping = False
-        self._jobs: dict[str, Job] = {}  # engine thread only: requests inside the engine
-        self._waiting = 0  # requests not yet admitted (inbox + engine queue), guarded by _cond
+        self._jobs: dict[str, Job] = {}  # engine thread only: requests inside the engine, in arrival order
         self._metrics: dict[str, int] = {}
         self._finished: Counter = Counter()
         self._base = Counter()  # cumulative counters of engines replaced after a failure
@@ -81,13 +90,11 @@ class EngineWorker:
         return self._thread.is_alive() and not self._stopping
 
     def submit(self, job: Job) -> None:
-        """Queue a request; QueueFull when --max-queue requests are already waiting."""
+        """Hand a request to the engine thread (its first event says whether it was accepted); Stopping
+        once the server shuts down."""
         with self._cond:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
-            if self._waiting >= self.max_queue:
-                raise QueueFull(f"{self._waiting} requests are waiting (--max-queue {self.max_queue})")
-            self._waiting += 1
+                raise Stopping("the server is shutting down")
             self._inbox.append(job)
             self._cond.notify()
 
@@ -144,9 +151,6 @@ class EngineWorker:
             self._reject(job, 500, f"engine error: {exc}")
             return
         self._jobs[job.request_id] = job
-        if not job.push(("accepted",)):
-            self.engine.abort(job.request_id)
-            self._jobs.pop(job.request_id)
 
     def _reject(self, job: Job, status: int, message: str) -> None:
         self._finished["error"] += 1
@@ -181,6 +185,7 @@ class EngineWorker:
             job = self._jobs.pop(res.request_id, None)
             if job is not None:
                 done[res.request_id] = (job, res)
+        self._judge(out.stats.waiting, [job for job, _ in done.values()])
         # Metrics first: a client that has its answer reads /metrics that already count it.
         self._publish()
         for rid, toks in tokens.items():
@@ -195,6 +200,23 @@ class EngineWorker:
         for job, res in done.values():
             job.push(("done", res))
 
+    def _judge(self, waiting: int, finished: list[Job]) -> None:
+        """Accept the new requests this step tried to admit, or refuse (429) those queued past max_queue."""
+        live = list(self._jobs.values())
+        queued = live[len(live) - waiting:] if waiting else []  # FIFO admission: the newest are the waiting
+        for pos, job in enumerate(queued):
+            if not job.accepted and pos >= self.max_queue:
+                self.engine.abort(job.request_id)
+                del self._jobs[job.request_id]
+                job.push(("error", 429, f"{self.max_queue} requests already wait for a slot (--max-queue)"))
+        for job in list(self._jobs.values()) + finished:
+            if not job.accepted:
+                job.accepted = True
+                if not job.push(("accepted",)) and job.request_id in self._jobs:  # nobody is listening any more
+                    self.engine.abort(job.request_id)
+                    del self._jobs[job.request_id]
+                    self._finished["abort"] += 1
+
     def _publish(self) -> None:
         s = self.engine.stats()
         m = {"running": s.running, "kv_reserved_bytes": s.kv_reserved_bytes, "kv_held_bytes": s.kv_held_bytes,
@@ -202,8 +224,6 @@ class EngineWorker:
              "generated_tokens": self._base["generated"] + s.generated_tokens,
              "compressions": self._base["compressions"] + s.compressions, "steps": self._steps}
         m.update({f"finished_{k}": self._finished[k] for k in FINISH_LABELS})
+        m["waiting"] = s.waiting
         with self._cond:
-            # Requests still in the inbox are waiting too; the engine's own queue is exact after a step.
-            self._waiting = len(self._inbox) + s.waiting
-            m["waiting"] = self._waiting
             self._metrics = m
