@@ -115,8 +115,8 @@ class EngineConfig:
     # memory, and running requests decode one token between two chunks)
     prefill_chunk: int = knob(0, "prefill prompts this many tokens per step (0 = whole)", ge=0)
     group_by_length: bool = True  # SkipKV's batch grouping: batch prompts of similar length together
-    # Admission by reservation: a request enters only when the slot store, sized for every admitted request's
-    # reservation (see skipkv/engine/scheduler.py), stays within this many bytes. 0 = no cap.
+    # Admission under a KV memory cap: a group enters only when the slot store, sized for the running requests
+    # and for what the group may hold (see skipkv/engine/memory.py), stays within this many bytes. 0 = no cap.
     kv_memory: int = knob(0, "KV cache bytes at most (0 = no cap)", ge=0)
     # Padded prompt tokens prefilled per engine step at most, summed over the requests admitted together
     # (one request is always admitted): a bound on how long one step stalls the running requests. 0 = no limit.

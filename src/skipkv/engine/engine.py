@@ -8,7 +8,7 @@
     eng.close()
 
 One step is one scheduling decision: if no admitted group is still prefilling, the scheduler admits the
-next group (by free slots and KV memory, see scheduler.py); then every running request decodes one token,
+next group (by free slots and KV memory, see scheduler.py and memory.py); then every running request decodes one token,
 and the prefilling group (if any) runs one prompt chunk (`prefill_chunk` tokens per request, 0 = whole), so
 long prompts entering do not stall the requests already decoding for more than one chunk per step.
 `generate()` is a loop over this engine. While an Engine is open, its model runs the skipkv attention
@@ -17,7 +17,6 @@ backend (one open Engine per model; `close()` restores it and removes the steeri
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,12 +25,12 @@ import torch
 
 from skipkv.attention import BACKEND, attention_backend
 from skipkv.config import EngineConfig, SamplingParams
-from skipkv.engine.hooks import ResidualAdd
 from skipkv.engine.request import Request, RequestResult, budget_force, encode_prompt, eos_ids, percentile
 from skipkv.engine.runner import ModelRunner
 from skipkv.engine.scheduler import Scheduler
 from skipkv.errors import SkipKVError
 from skipkv.policies import Policy, make_policy
+from skipkv.steering.hook import ResidualAdd
 
 
 @dataclass
@@ -40,7 +39,7 @@ class EngineStats:
 
     running: int  # requests holding a slot (decoding, or prefilling)
     waiting: int
-    kv_reserved_bytes: int  # sum of the running requests' reservations
+    kv_reserved_bytes: int  # what the live requests may still need, each on its own (KVMemory.reserved_bytes)
     kv_held_bytes: int  # K/V the running requests hold now
     kv_allocated_bytes: int  # the slot store as allocated (never above kv_cap_bytes when a cap is set)
     kv_cap_bytes: int  # EngineConfig.kv_memory (0 = no cap)
@@ -108,13 +107,18 @@ def check_fits(what: str, prompt_len: int, max_new_tokens: int, max_context: int
 
 
 def new_request(bundle, ids: list[int], sp: SamplingParams, policy: Policy, index: int, eos: frozenset[int],
-                what: str) -> Request:
-    """A validated request (`what` names it in errors): non-empty, and prompt + max_new_tokens within context."""
+                what: str, budget: int | None = None) -> Request:
+    """A validated request (`what` names it in errors): non-empty, prompt + max_new_tokens within context, and
+    run under `policy`, or under its own lower `budget` (Policy.for_request) when one is given."""
     if not isinstance(sp, SamplingParams):
         raise SkipKVError(f"{what}: sampling must be SamplingParams, got {type(sp).__name__}")
     if not ids:
         raise SkipKVError(f"{what} is empty")
     check_fits(what, len(ids), sp.max_new_tokens, bundle.max_context)
+    try:
+        policy = policy.for_request(len(ids), budget)
+    except SkipKVError as e:
+        raise SkipKVError(f"{what}: {e}") from None
     gen = None
     if not sp.greedy:
         gen = torch.Generator(device=bundle.device)
@@ -137,12 +141,12 @@ class Engine:
         self.hook = steering(bundle.model) if steering is not None else self.policy.steering_hook(bundle)
         try:
             self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
-                                      steering=self.hook, trace=trace)
+                                      steering=self.hook, trace=trace, kv_memory=self.config.kv_memory)
         except BaseException:
             if self.hook is not None:  # a refused policy must not leave the hook on the model
                 self.hook.remove()
             raise
-        self.scheduler = Scheduler(self.config, self.runner.entry_bytes)
+        self.scheduler = Scheduler(self.config, self.runner.memory)
         self._eos = eos_ids(bundle)
         self._next_index = 0
         self._live: dict[str, Request] = {}  # request_id -> request, waiting or holding a slot
@@ -154,19 +158,14 @@ class Engine:
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None, budget: int | None = None) -> str:
-        """Queue a prompt; returns its request id. `budget`: a lower KV budget than the policy's, for this
-        request only. SkipKVError for an empty or too long prompt, a bad budget, or one that can never fit."""
+        """Queue a prompt; returns its request id. `budget`: a lower KV budget than the policy's for this prompt
+        (tokens per kv head; under LaProx's budget_ratio, at most the ratio's budget, which it then replaces),
+        for this request only. SkipKVError for an empty or too long prompt, a bad budget, or one that can
+        never fit."""
         what = f"request {request_id}" if request_id is not None else f"prompt {self._next_index}"
-        policy = self.policy
-        if budget is not None:
-            if not policy.compresses:
-                raise SkipKVError(f"{what}: policy {type(policy).__name__} keeps every token; a budget does not apply")
-            if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= policy.budget:
-                raise SkipKVError(f"{what}: budget must be an integer in (0, {policy.budget}] (the policy's), "
-                                  f"got {budget!r}")
-            policy = dataclasses.replace(policy, budget=budget)  # validates budget > window + sink
         ids = encode_prompt(self.bundle.tokenizer, prompt)
-        r = new_request(self.bundle, ids, sampling or SamplingParams(), policy, self._next_index, self._eos, what)
+        r = new_request(self.bundle, ids, sampling or SamplingParams(), self.policy, self._next_index, self._eos,
+                        what, budget)
         if request_id is not None:
             r.request_id = str(request_id)
         self._enqueue(r)
@@ -180,8 +179,6 @@ class Engine:
             r.request_id = str(r.index)
         if r.request_id in self._live:
             raise SkipKVError(f"request id {r.request_id!r} is already in use")
-        if r.policy is None:
-            r.policy = self.policy
         self.scheduler.add(r)
         self._next_index = max(self._next_index, r.index + 1)
         self._live[r.request_id] = r
@@ -215,7 +212,7 @@ class Engine:
         pairs: list[tuple[Request, int]] = []
         prefill_tokens = 0
         if not runner.cohort and self.scheduler:
-            new = self.scheduler.admit(runner.running)
+            new = self.scheduler.admit(runner.running_need(), len(runner.running))
             if new:
                 for r in new:
                     r.started = t0
@@ -257,7 +254,7 @@ class Engine:
         live = runner.running + runner.cohort
         store = runner.store
         return EngineStats(running=len(live), waiting=len(self.scheduler.waiting),
-                           kv_reserved_bytes=sum(r.reserve for r in live) * runner.entry_bytes,
+                           kv_reserved_bytes=runner.memory.reserved_bytes(store.lengths, runner.running, runner.cohort),
                            kv_held_bytes=int(store.lengths.sum()) * store.bytes_per_entry,
                            kv_allocated_bytes=store.allocated_bytes(), kv_cap_bytes=self.config.kv_memory,
                            generated_tokens=self._generated, compressions=runner.compressions,

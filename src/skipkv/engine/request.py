@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from skipkv.config import SamplingParams
+from skipkv.policies.base import Policy
 
 THINK_END = "</think>"
 FORCE_TEXT = "Wait"
@@ -49,6 +50,21 @@ def eos_ids(bundle) -> frozenset[int]:
             continue
         ids.update(src if isinstance(src, (list, tuple)) else [src])
     return frozenset(int(i) for i in ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's memory bounds, per layer (host int64 tensors; L layers, K prompt chunks of its own).
+
+    capacity [L]: the most entries each layer holds at once once the prompt is in (Policy.layer_capacity);
+    held [K + 1, L]: upper bound of the entries each layer holds before prompt chunk k (row K: after the prompt);
+    after [L]: the most each layer needs once prefilled (what it kept plus its growth, within `capacity`);
+    alone [L]: the most each layer needs at any time when the request is admitted alone."""
+
+    capacity: torch.Tensor
+    held: torch.Tensor
+    after: torch.Tensor
+    alone: torch.Tensor
 
 
 @dataclass
@@ -101,6 +117,9 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     eos_ids: frozenset[int]
+    # The policy this request runs under, set once when the request is made (engine.new_request, from the
+    # engine's policy and the request's own budget, Policy.for_request); nothing else picks a request's policy.
+    policy: Policy
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     peak_kv_tokens: int = 0
@@ -117,10 +136,7 @@ class Request:
     allocated_kv_bytes: int = 0
     trace: Any = None  # RequestTrace, created at the first compression when tracing
     request_id: str = ""
-    # The Policy this request runs under (its own lower budget, if it asked for one); set when it is prepared.
-    policy: Any = None
-    reserve: int = 0  # slot entries reserved per layer (see scheduler.reservation)
-    layer_reserve: Any = None  # [L] entries each layer may need (policy.layer_capacity), host
+    plan: Plan | None = None  # its memory bounds per layer (engine/memory.py), set when it is queued
     arrived: float = field(default_factory=time.perf_counter)  # add_request time
     first_token_at: float = 0.0
     last_token_at: float = 0.0

@@ -4,8 +4,8 @@ Slot layout: decoding requests sit in slots [0, n): `running[i]` owns slot i. A 
 requests (the cohort) is prefilled in the slots right after them, one chunk per engine step, while the
 running requests keep decoding; when its prompts are done the group joins `running` (moved down if
 requests finished meanwhile). A finished request's slot is refilled by moving the last running request
-into it, so forwards read plain views of the store. The store's shape (slots x capacity) is set by the
-engine from reservations (`reshape`), see skipkv/engine/scheduler.py.
+into it, so forwards read plain views of the store. The store's shape (slots x per-layer capacities) is what
+engine/memory.py says the live requests need (`fit`); admission there keeps it within the KV memory cap.
 
 Host syncs: lengths live on the host, small index tensors go to the device through pinned memory
 (`to_device`), so a decode step that does not compress syncs once, when sampling reads the tokens.
@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from skipkv.attention import QueryBuffer, StepContext
 from skipkv.cache import KVStore, SlotCache
 from skipkv.cache.store import to_device
-from skipkv.engine.hooks import ResidualAdd
+from skipkv.engine.memory import KVMemory, chunk_width, running_need
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
-from skipkv.engine.scheduler import chunk_width, reservation, staging
 from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.policies.base import Observation, Policy
+from skipkv.steering.hook import ResidualAdd
 
 # Handing HF a ready mask mapping skips its mask construction; the skipkv backend builds its own per layer.
 NO_MASKS = {"full_attention": None, "sliding_attention": None}
@@ -36,10 +35,11 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 class ModelRunner:
     def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
-                 steering: ResidualAdd | None = None, trace: bool = False) -> None:
+                 steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0) -> None:
+        """`policy`: what to capture for (queries, attention sums, hidden states); each request brings its own
+        (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none)."""
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
-        self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.steering = steering
         self.trace = trace  # record retention per compression (engine/trace.py); off: no recording code runs
@@ -52,14 +52,14 @@ class ModelRunner:
         self.queries = (QueryBuffer(cfg.num_hidden_layers, num_slots, cfg.num_attention_heads, policy.query_window,
                                     self.head_dim, bundle.dtype, bundle.device) if "queries" in needs else None)
         self.cache = SlotCache(self.store)
+        self.memory = KVMemory(cfg.num_hidden_layers, self.store.bytes_per_entry, prefill_chunk, kv_memory)
         self.layers = bundle.model.model.layers
         self.running: list[Request] = []  # decoding, slots [0, n)
         self.cohort: list[Request] = []  # prefilling, slots [cohort_start, cohort_start + k)
         self.cohort_start = 0
         self._chunk_at = 0  # prompt offset of the cohort's next chunk
         self._cohort_len = 0  # longest prompt of the cohort
-        self._cohort_stage = 0  # entries the cohort's staging needs (scheduler.staging)
-        self._last_hidden: list[Any] = []  # [hidden] per prefilling request, None until its last chunk
+        self._last_hidden: list[torch.Tensor | None] = []
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
         self._reshape_due = True  # something changed what the store must hold since the last fit()
@@ -99,39 +99,27 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ store shape
     def _prepare(self, reqs: Sequence[Request]) -> None:
         for r in reqs:
-            if r.policy is None:
-                r.policy = self.policy
-            if not r.reserve:
-                r.reserve = reservation(r, self.prefill_chunk)
-            if r.layer_reserve is None:  # per-layer bounds (differ under per-layer budgets), computed once
-                L = self.store.num_layers
-                r.layer_reserve = torch.tensor([r.policy.layer_capacity(l, L, r.prompt_len, r.sampling.max_new_tokens)
-                                                for l in range(L)])
+            self.memory.plan(r)  # once; the engine's scheduler has planned queued requests already
+
+    def running_need(self) -> torch.Tensor:
+        """Entries [L] each layer must hold for the decoding requests from now on (memory.running_need)."""
+        return running_need(self.store.lengths, self.running)
 
     def needed_shape(self) -> tuple[int, list[int]]:
-        """(slots, per-layer capacities) that the live requests need now: for the decoding requests, what each
-        layer keeps plus its remaining growth (`layer_capacities`, so allocation follows per-layer budgets); for
-        the admitted group, its reservations and prompt staging."""
+        """(slots, per-layer capacities) that the live requests need now: the decoding requests what they hold
+        plus their remaining growth (memory.running_need), the group being prefilled what it holds plus its
+        next chunk (staged whole in every row, see KVStore.append). Admission bounded all of it (memory.py)."""
         slots = self.cohort_start + len(self.cohort) if self.cohort else len(self.running)
-        caps = self.layer_capacities()
-        if self.cohort:  # the admitted group stages its prompts within its reservations
-            stage = max([r.reserve for r in self.cohort] + [self._cohort_stage])
-            caps = [max(c, stage) for c in caps]
+        caps = self.running_need()
+        if self.cohort:
+            nxt = min(chunk_width(self.prefill_chunk, self._cohort_len), self._cohort_len - self._chunk_at)
+            rows = self.store.lengths[:, self.cohort_start:slots]
+            top = rows.amax(dim=1) if rows.shape[1] else torch.zeros_like(caps)  # slots not yet allocated hold 0
+            caps = torch.maximum(caps, top + nxt)
         held = self.store.lengths[:, :min(slots, self.store.num_slots)]
         if held.numel():
-            caps = [max(c, int(h)) for c, h in zip(caps, held.amax(dim=1).tolist())]
-        return slots, caps
-
-    def layer_capacities(self) -> list[int]:
-        """Entries each layer must hold for the running requests: what each slot holds now plus the growth
-        it may still need (bounded by the policy's per-layer capacity), so allocation follows what is kept."""
-        n = len(self.running)
-        if n == 0:
-            return [0] * self.store.num_layers
-        held = self.store.lengths[:, :n]  # [L, n]
-        remaining = torch.tensor([r.sampling.max_new_tokens - len(r.output_ids) for r in self.running])
-        bound = torch.stack([r.layer_reserve for r in self.running], dim=1)  # [L, n]
-        return torch.maximum(held, torch.minimum(bound, held + remaining)).amax(dim=1).tolist()
+            caps = torch.maximum(caps, held.amax(dim=1))
+        return slots, caps.tolist()
 
     def fit(self, exact: bool) -> None:
         """Shape the store for the live requests: exactly (freeing memory at once), or only growing where it
@@ -159,7 +147,6 @@ class ModelRunner:
         self.cohort_start = len(self.running)
         self._chunk_at = 0
         self._cohort_len = max(r.prompt_len for r in new)
-        self._cohort_stage = staging(new, self.prefill_chunk)
         self._last_hidden = [None] * len(new)
         self.fit(exact=False)
         for i in range(len(new)):
@@ -171,7 +158,6 @@ class ModelRunner:
         """Prefill the cohort's next chunk. Returns (real prompt tokens processed, [(request, first token)]
         for every cohort request once the whole cohort is done, else [])."""
         device = self.store.device
-        self._reshape_due = True
         new, start, k = self.cohort, self.cohort_start, len(self.cohort)
         c0 = self._chunk_at
         c1 = min(c0 + chunk_width(self.prefill_chunk, self._cohort_len), self._cohort_len)
@@ -183,10 +169,13 @@ class ModelRunner:
                 ids[i, : int(real[i])] = torch.tensor(r.prompt_ids[c0:c0 + int(real[i])])
         ids = to_device(ids, device)
         positions = torch.arange(c0, c1, device=device).expand(k, -1)
-        # Each chunk is staged whole before compression brings the request back to its budget; layers
-        # that a model-wide policy left shorter grow only by the chunk.
-        self.store.ensure_capacity((self.store.lengths[:, start:start + k].amax(dim=1) + c1 - c0).tolist())
+        # Each chunk is staged whole before compression brings the request back to its budget; layers that a
+        # model-wide policy left shorter grow only by the chunk. Growing reshapes the store exactly (never
+        # on top of capacity kept from requests that left), so it stays within what admission counted.
+        self._reshape_due = True
+        self.fit(exact=False)
         hidden = self._forward(start, ids, positions, real)
+        self._reshape_due = True  # the chunk is in: what the store must hold changed again
         held = self._note_memory(start, new, decoding=False)
         for i, r in enumerate(new):
             if c0 <= r.prompt_len - 1 < c1:
@@ -199,14 +188,16 @@ class ModelRunner:
         self._chunk_at = c1
         if c1 < self._cohort_len:
             return int(real.sum()), []
-        tokens = sample(self._logits(torch.stack(self._last_hidden)), new)
+        last = [h for h in self._last_hidden if h is not None]
+        assert len(last) == len(self._last_hidden), "every row of the cohort has its last hidden state now"
+        tokens = sample(self._logits(torch.stack(last)), new)
         # Join the running requests: slots [n, n + k), moved down if requests finished while it prefilled.
         n = len(self.running)
         for i in range(k):
             if start + i != n + i:
                 self._move(start + i, n + i)
         self.running.extend(new)
-        self.cohort, self._last_hidden, self._cohort_stage = [], [], 0
+        self.cohort, self._last_hidden = [], []
         return int(real.sum()), list(zip(new, tokens))
 
     def prefill(self, new: list[Request]) -> list[int]:
@@ -259,13 +250,13 @@ class ModelRunner:
             by_policy.setdefault(r.policy, []).append(r.state)
         for policy, states in by_policy.items():
             policy.before_compress(states, is_prefill)
-        if self.policy.model_wide:
-            done = [(s, r) for s, r in rows if self._compress_model_wide(s, r, is_prefill)]
-        else:
-            done = rows
+        per_layer = [(s, r) for s, r in rows if not r.policy.model_wide]
+        done = per_layer + [(s, r) for s, r in rows
+                            if r.policy.model_wide and self._compress_model_wide(s, r, is_prefill)]
+        if per_layer:
             for l in range(self.store.num_layers):
                 groups: dict[tuple[int, Policy], list[tuple[int, Request]]] = {}
-                for s, r in rows:
+                for s, r in per_layer:
                     groups.setdefault((int(self.store.lengths[l, s]), r.policy), []).append((s, r))
                 for (n, policy), group in groups.items():
                     host_slots = torch.tensor([s for s, _ in group])
@@ -359,4 +350,4 @@ class ModelRunner:
             group[i] = group[last]
             group.pop()
         if not self.cohort:
-            self._last_hidden, self._cohort_stage = [], 0
+            self._last_hidden = []

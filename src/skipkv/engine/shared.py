@@ -63,7 +63,8 @@ def prefill_full(bundle, ids: list[int], window: int, sampling: SamplingParams |
     Returns (the runner, its request, the first token). Call under the attention backend and inference mode."""
     from skipkv.engine import make_requests
 
-    runner = ModelRunner(bundle, make_policy("full"), num_slots=0)
+    full = make_policy("full")
+    runner = ModelRunner(bundle, full, num_slots=0)
     if attn:
         s = runner.store
         runner.store = KVStore(s.num_layers, 0, s.num_kv_heads, s.head_dim, 0, s.dtype, s.device, aux=("attn",))
@@ -72,7 +73,7 @@ def prefill_full(bundle, ids: list[int], window: int, sampling: SamplingParams |
         cfg = bundle.model.config
         runner.queries = QueryBuffer(cfg.num_hidden_layers, 0, cfg.num_attention_heads, window, runner.head_dim,
                                      bundle.dtype, bundle.device)
-    [req] = make_requests(bundle, [ids], sampling or SamplingParams(max_new_tokens=1), runner.policy)
+    [req] = make_requests(bundle, [ids], sampling or SamplingParams(max_new_tokens=1), full)
     [first] = runner.prefill([req])
     return runner, req, first
 

@@ -3,15 +3,19 @@
 A policy declares what it needs (`needs`), and returns per-token scores [b, H, n] for one layer
 (`score`). The shared `select` keeps the sink and window tokens and the best-scoring rest, `budget` in all.
 The runner compresses layer by layer, grouping rows of equal length in that layer, so a policy may leave
-layers at different lengths (per-layer budgets, `layer_capacity`). Model-wide policies (`model_wide = True`,
-LaProx) instead get every layer of one request at once through `select_model_wide` and return one keep
-tensor per layer, of different lengths; the store gives each layer its own capacity, so the bytes follow.
+layers at different lengths (per-layer budgets). Model-wide policies (`model_wide = True`, LaProx) instead
+get every layer of one request at once through `select_model_wide` and return one keep tensor per layer, of
+different lengths; the store gives each layer its own capacity, so the bytes follow.
+
+Memory: a policy says what each layer of a request can hold (`layer_capacity`, after the prompt is in;
+`prefill_keep`, after a prefill compression); engine/memory.py sizes the store and admits requests from
+these alone. A request may run a lower budget than the policy's (`for_request`, e.g. the server's kv_budget).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -99,8 +103,9 @@ class Policy:
         return self.window
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Slot entries one request may need at once: never more than it can ever hold (prompt + generation),
-        so a budget or interval far beyond the request's length allocates nothing for it."""
+        """Entries one request may hold at once in a layer once its prompt is in (every layer alike unless
+        `layer_capacity` says otherwise): never more than it can ever hold (prompt + generation), so a budget
+        or interval far beyond the request's length allocates nothing for it."""
         whole = prompt_len + max_new_tokens
         if not self.compresses:
             return whole
@@ -119,9 +124,32 @@ class Policy:
             return self.phase in ("prefill", "both") and length > self.budget
         return self.phase in ("decode", "both") and length >= self.budget + self.interval
 
-    def layer_capacity(self, layer: int, num_layers: int, prompt_len: int, max_new_tokens: int) -> int:
-        """Entries one request may need at once in `layer` (the runner sizes each layer by it after prefill)."""
-        return self.capacity(prompt_len, max_new_tokens)
+    def layer_capacity(self, num_layers: int, prompt_len: int, max_new_tokens: int) -> list[int]:
+        """Entries each layer of one request may hold at once once its prompt is in, decode growth included
+        ([L]; the engine sizes and admits by it, engine/memory.py). A hard bound: holding more is a bug."""
+        return [self.capacity(prompt_len, max_new_tokens)] * num_layers
+
+    def prefill_keep(self, num_layers: int, prompt_len: int, prefix_len: int) -> list[int]:
+        """Entries each layer keeps at most after a prefill compression once `prefix_len` of the `prompt_len`
+        prompt tokens are in ([L]; asked only where `should_compress` says a prefill chunk compresses, and
+        it must also bound a layer that the compression leaves whole)."""
+        return [self.budget] * num_layers
+
+    def request_budget(self, prompt_len: int) -> int:
+        """The budget (tokens per kv head, per layer on average) this policy runs a `prompt_len` prompt under."""
+        return self.budget
+
+    def for_request(self, prompt_len: int, budget: int | None) -> Policy:
+        """The policy one request runs under: this one, or (`budget`) the same with a lower budget for this
+        request only, at most `request_budget(prompt_len)`. SkipKVError for a budget it cannot run."""
+        if budget is None:
+            return self
+        if not self.compresses:
+            raise SkipKVError(f"policy {type(self).__name__} keeps every token; a budget does not apply")
+        top = self.request_budget(prompt_len)
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= top:
+            raise SkipKVError(f"budget must be an integer in (0, {top}] (the policy's for this prompt), got {budget!r}")
+        return replace(self, budget=budget)  # validates budget > window + sink
 
     def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
         """Model-wide policies only: obs holds every layer of ONE request (b = 1, n_l entries in layer l).

@@ -48,7 +48,7 @@ The sweep configs name the variants (labels such as `laprox-attn`, `laprox-layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -255,12 +255,27 @@ class LaProx(Policy):
             self._check_layer_budget(self.layer_budget(n), f"budget ratio {self.budget_ratio} of a {n}-token prompt")
         return _PromptState(n)
 
-    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        # Per layer on average; one layer may hold more (layer_capacity), the model as a whole no more.
-        return min(prompt_len, self.layer_budget(prompt_len)) + max_new_tokens
+    def request_budget(self, prompt_len: int) -> int:
+        return self.layer_budget(prompt_len)
 
-    def layer_capacity(self, layer: int, num_layers: int, prompt_len: int, max_new_tokens: int) -> int:
-        return prompt_len + max_new_tokens  # a layer may keep its whole prompt; the runner sizes by what it kept
+    def for_request(self, prompt_len: int, budget: int | None) -> LaProx:
+        # A request's own budget is a token count per layer: it replaces the ratio for this request.
+        policy = super().for_request(prompt_len, budget)
+        assert isinstance(policy, LaProx)
+        return replace(policy, budget_ratio=None) if budget is not None else policy
+
+    def prefill_keep(self, num_layers: int, prompt_len: int, prefix_len: int) -> list[int]:
+        # Every layer keeps at least min(its entries, protected + floor) and every layer holds at least
+        # min(prefix, that) (induction over chunks), so one layer keeps at most the model-wide total less
+        # the other layers' minimum. Also bounds a layer the selection leaves whole (all entries fit).
+        if self.allocation == "layer":  # every layer keeps its share (layers stay equal while they fit)
+            return [self.layer_budget(prompt_len)] * num_layers
+        floor = min(prefix_len, max(self.prefill_window + self.sink, self.min_layer_tokens))
+        return [self.layer_budget(prompt_len) * num_layers - (num_layers - 1) * floor] * num_layers
+
+    def layer_capacity(self, num_layers: int, prompt_len: int, max_new_tokens: int) -> list[int]:
+        # A layer may keep up to its whole prompt; the runner sizes each layer by what it kept.
+        return [min(prompt_len, self.prefill_keep(num_layers, prompt_len, prompt_len)[0]) + max_new_tokens] * num_layers
 
     def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
         if not is_prefill:

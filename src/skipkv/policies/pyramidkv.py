@@ -50,17 +50,21 @@ class PyramidKV(SnapKV):
             return [self.budget]
         return [w + round(high - l * (high - low) / (num_layers - 1)) for l in range(num_layers)]
 
-    def layer_capacity(self, layer: int, num_layers: int, prompt_len: int, max_new_tokens: int) -> int:
-        b = self.layer_budgets(num_layers)
-        if self.phase == "prefill":
-            return min(prompt_len, b[layer]) + max_new_tokens
-        if self.phase == "decode":
-            return max(prompt_len + 1, b[0] + self.interval)
-        # After prefill layer l holds min(P, b_l); all layers grow until layer 0 reaches b_0 + interval.
-        return min(prompt_len, b[layer]) + b[0] + self.interval - min(prompt_len, b[0])
+    def layer_capacity(self, num_layers: int, prompt_len: int, max_new_tokens: int) -> list[int]:
+        out = []
+        for b in self.layer_budgets(num_layers):
+            if self.phase == "prefill":
+                out.append(min(prompt_len, b) + max_new_tokens)
+            elif self.phase == "decode":
+                out.append(max(prompt_len + 1, self.layer_budgets(num_layers)[0] + self.interval))
+            else:  # after prefill layer l holds min(P, b_l); all layers grow until layer 0 reaches b_0 + interval
+                b0 = self.layer_budgets(num_layers)[0]
+                out.append(min(prompt_len, b) + b0 + self.interval - min(prompt_len, b0))
+        return out
 
-    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        return super().capacity(prompt_len, max_new_tokens)  # the mean layer; each layer: layer_capacity
+    def prefill_keep(self, num_layers: int, prompt_len: int, prefix_len: int) -> list[int]:
+        # Compression brings layer l to its own budget; below the smallest budget nothing is compressed.
+        return self.layer_budgets(num_layers)
 
     def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
         # `length` is the largest layer's. At prefill every layer holds the same count: compress when the
