@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--kv-memory", default="0")
     ap.add_argument("--batch-size", type=int, help="cap on running requests (default: all of them)")
     ap.add_argument("--window-s", type=float)
+    ap.add_argument("--prefill-budget", type=int, default=0, help="padded prompt tokens per prefill step (0 = all)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -41,7 +42,8 @@ def main() -> None:
                                                                            interval=args.interval)
     n = len(spec["prompt_ids"])
     sp = SamplingParams(max_new_tokens=spec["max_tokens"], ignore_eos=True)
-    cfg = EngineConfig(batch_size=args.batch_size or n, kv_memory=parse_bytes(args.kv_memory))
+    cfg = EngineConfig(batch_size=args.batch_size or n, kv_memory=parse_bytes(args.kv_memory),
+                       prefill_budget=args.prefill_budget)
     # Warm-up: kernels, allocator and first-call paths, on two short prompts.
     run_engine(bundle, policy, Workload("warmup", [p[:16] for p in spec["prompt_ids"][:2]],
                                         [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2), EngineConfig(), "w")
@@ -52,7 +54,7 @@ def main() -> None:
                       "interval": args.interval if args.policy != "full" else None,
                       "dtype": str(bundle.dtype).removeprefix("torch."),
                       "dtype_reason": bundle.dtype_choice.reason if bundle.dtype_choice else "requested",
-                      "threads": threads, "kv_memory": cfg.kv_memory, "load_s": round(load_s, 1),
+                      "threads": threads, "kv_memory": cfg.kv_memory, "prefill_budget": cfg.prefill_budget, "load_s": round(load_s, 1),
                       "tokens_per_s": run.tokens_per_s, "generated_tokens": run.generated_tokens,
                       "wall_s": run.wall_s, "max_batch": run.max_batch, "peak_kv_bytes": run.peak_kv_bytes,
                       "finished": run.requests, "ttft_p50": run.ttft_p50, "tpot_p50": run.tpot_p50,
