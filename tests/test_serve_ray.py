@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx")
 import skipkv  # noqa: E402
 from conftest import PROMPTS  # noqa: E402
 from skipkv import SamplingParams, generate, make_policy  # noqa: E402
+from skipkv.bench.soak import parse_metrics  # noqa: E402
 from skipkv.config import EngineConfig  # noqa: E402
 from skipkv.serve.protocol import ServerSettings  # noqa: E402
 from skipkv.serve.replicas import REPLICA_HEADER, ReplicaSpec, replica_actor_name, run_replicas  # noqa: E402
@@ -29,15 +30,6 @@ from skipkv.serve.replicas import REPLICA_HEADER, ReplicaSpec, replica_actor_nam
 pytestmark = pytest.mark.slow
 MODEL = "random:qwen2"
 RKV = dict(budget=32, window=4, interval=8)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 @pytest.fixture(scope="module")

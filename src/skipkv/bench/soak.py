@@ -48,7 +48,8 @@ def loopback_url(url: str) -> tuple[str, int]:
     return host, u.port or 80
 
 
-def _metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {sample name with labels: value} (the lines this server writes)."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -205,7 +206,7 @@ class Soak:
         while time.monotonic() < self.end:
             try:
                 r = await h.get(self.url + "/metrics")
-                self.samples.append((time.monotonic(), _metrics(r.text)))
+                self.samples.append((time.monotonic(), parse_metrics(r.text)))
             except Exception:  # noqa: BLE001 - a missed sample is not a failure of the server
                 pass
             await asyncio.sleep(2.0)
@@ -215,7 +216,7 @@ class Soak:
 
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)  # a connection per request
         async with httpx.AsyncClient(timeout=HANG_S, limits=limits) as h:
-            start = _metrics((await h.get(self.url + "/metrics")).text)
+            start = parse_metrics((await h.get(self.url + "/metrics")).text)
             t0 = time.monotonic()
             self.end = t0 + self.seconds
             tasks = [self._loop(kind, h) for kind, n in CLIENTS.items() for _ in range(n)]
@@ -223,7 +224,7 @@ class Soak:
             wall = time.monotonic() - t0
             deadline = time.monotonic() + 60
             while True:  # drain: every request the server still holds ends or is aborted
-                end = _metrics((await h.get(self.url + "/metrics")).text)
+                end = parse_metrics((await h.get(self.url + "/metrics")).text)
                 if (end["skipkv_requests_running"] == 0 and end["skipkv_requests_waiting"] == 0) \
                         or time.monotonic() > deadline:
                     break
