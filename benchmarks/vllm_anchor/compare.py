@@ -109,8 +109,7 @@ def main() -> None:
                      "max_batch": max(x["max_batch"] for x in runs if x["arm"] == arm),
                      "tokens_per_s_each": [round(x["tokens_per_s"], 2) for x in runs if x["arm"] == arm]}
                for arm, m in medians.items()}
-    sys.path.insert(0, str(HERE.parents[1] / "src"))
-    from skipkv.hardware import environment
+    from skipkv.hardware import environment  # compare.py runs in skipkv's environment; vLLM only in its venv
 
     report = {"workload": args.workload, "requests": args.requests, "max_tokens": args.max_tokens,
               "window_s": args.window_s, "kv_cap_gib": args.kv_cap_gib, "rounds": args.rounds, "arms": args.arm,
