@@ -37,6 +37,7 @@ import torch
 from skipkv.errors import SkipKVError
 
 OVERRIDE_ENV = "SKIPKV_CPU_BF16"
+DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 _PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
 
 

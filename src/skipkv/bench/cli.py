@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import set_threads
-
-DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
+from skipkv.hardware import DTYPE_HELP, set_threads
 
 
 def _ints(text: str) -> tuple[int, ...]:

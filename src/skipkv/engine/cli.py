@@ -19,7 +19,7 @@ from pathlib import Path
 
 from skipkv.config import EngineConfig, SamplingParams, parse_bytes
 from skipkv.errors import SkipKVError
-from skipkv.hardware import set_threads
+from skipkv.hardware import DTYPE_HELP, set_threads
 
 _SAMPLING_DEFAULTS = SamplingParams()
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the offline real model (`skipkv models pull`)
@@ -80,9 +80,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"hub id, local folder, .gguf file, pulled name, or random:<family>[:size] "
                         f"(default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="auto",
-                   help="auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), "
-                        "bf16, fp32, fp16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from skipkv.hardware import DTYPE_HELP
+
 
 def _layers(text: str) -> list[int]:
     try:
@@ -42,6 +44,6 @@ def register(sub) -> None:
     b.add_argument("--prompt-style", "--prompt", default="chat", choices=("chat", "raw", "r1think"),
                    help="the eval prompt recipe (r1think: the reflective testbed, eval/prompts.py)")
     b.add_argument("--force-wait", type=int, default=0, help="s1 budget forcing, as in eval (default 0: off)")
-    b.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
+    b.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     b.add_argument("--batch-size", type=int, default=8)
     b.set_defaults(func=cmd_build)
