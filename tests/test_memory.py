@@ -35,6 +35,8 @@ SPECS = {
     "rkv-decode": ("rkv", dict(budget=16, window=2, interval=4, phase="decode")),
     "skipkv": ("skipkv", dict(budget=16, window=2, interval=4)),
     "skipkv-protect": ("skipkv", dict(budget=8, window=2, interval=4, protect_prompt=True)),
+    "h2o-protect": ("h2o", dict(budget=8, window=2, interval=4, protect_prompt=True)),
+    "pyramidkv-protect": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, interval=4, protect_prompt=True)),
     "seal": ("seal", dict(alpha0=-1.0, steer_scope="always")),
     "laprox": ("laprox", dict(budget=10, prefill_window=4)),
     # `budget` is unused under a ratio; set small so that planning from it (the B1 mutant) shows at these sizes.
@@ -206,3 +208,15 @@ def test_b3_per_request_budget_under_a_ratio(tiny):
         for bad in (41, 3, 0):  # above 0.5 x 80 = 40; below prefill_window + sink; not positive
             with pytest.raises(SkipKVError, match="budget"):
                 eng.add_request(ids, sp, budget=bad)
+
+
+def test_a_prefill_after_a_decode_in_one_step_counts_what_was_fed(tiny):
+    """Found by the property test: in one engine step the running requests decode (feeding a token whose
+    sampled successor is added only at the end of the step), then a newly admitted prompt is staged. Sizing
+    from outputs alone counted one entry too many per running request there (40 entries allocated under a
+    38-entry cap); the need is counted from what each request has fed."""
+    mix = [(_prompt(10, 1), 1, None, 1), (_prompt(10, 2), 1, None, 0), (_prompt(32, 3), 7, None, 0),
+           (_prompt(17, 4), 3, None, 0)]
+    policy = make_policy("full")
+    cap = alone_bytes(tiny, policy, mix, 0)
+    drive(tiny, policy, mix, 0, 2, cap)

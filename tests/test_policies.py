@@ -161,3 +161,59 @@ def test_streaming_llm_keeps_sinks_and_newest(tiny):
     L = reqs[0].prompt_len
     pos = runner.store.pos[0][0, 0, :12].tolist()
     assert pos == [0, 1, 2, 3] + list(range(L - 8, L))
+
+
+PROTECTABLE = [n for n in DECODING if not POLICIES.get(n).model_wide]
+
+
+@pytest.mark.parametrize("name", PROTECTABLE)
+def test_protect_prompt_keeps_the_whole_prompt(tiny, name):
+    """protect_prompt: at batch 2 (prompts of 4 and 51 tokens, both longer than nothing and one far over
+    budget), no prompt position is ever evicted from any layer or head, nothing is compressed at prefill, and a
+    compression brings each layer to at most prompt + budget (exactly that where every layer has one budget)."""
+    policy = make_policy(name, **{**knobs(name), "protect_prompt": True})
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    reqs = make_requests(tiny, PROMPTS[:2], sp, policy)
+    runner = ModelRunner(tiny, policy, num_slots=2)
+    store = runner.store
+    uniform = name in UNIFORM
+    with attention_backend(tiny.model), torch.inference_mode():
+        for r, t in zip(reqs, runner.prefill(reqs)):
+            r.output_ids.append(t)
+        assert all(r.compressions == 0 for r in reqs)
+        for _ in range(39):
+            before = [r.compressions for r in runner.running]
+            for r, t in zip(list(runner.running), runner.decode()):
+                r.output_ids.append(t)
+            for slot, r in enumerate(runner.running):
+                P = r.prompt_len
+                n = store.lengths[:, slot]
+                cap = r.policy.layer_capacity(store.num_layers, P, sp.max_new_tokens)
+                assert (n <= torch.tensor(cap)).all()
+                if uniform:
+                    assert int(n.max()) <= P + policy.budget + policy.interval
+                if r.compressions > before[slot]:
+                    if uniform:
+                        assert (n == P + policy.budget).all()
+                    for layer, p in enumerate(store.pos):
+                        held = p[slot, :, : int(n[layer])]
+                        assert (held[:, :P] == torch.arange(P, dtype=torch.int32)).all(), \
+                            f"layer {layer}: a prompt entry was evicted"
+    assert all(r.compressions > 0 for r in reqs)
+
+
+@pytest.mark.parametrize("name", [n for n in COMPRESSING if POLICIES.get(n).model_wide])
+def test_protect_prompt_refused_where_it_cannot_apply(name):
+    from skipkv.errors import SkipKVError
+
+    with pytest.raises(SkipKVError, match="protect_prompt does not apply"):
+        make_policy(name, **{**knobs(name), "protect_prompt": True})
+
+
+def test_protect_prompt_with_a_request_budget_counts_generated_tokens():
+    policy = make_policy("rkv", budget=24, window=4, interval=8, protect_prompt=True)
+    mine = policy.for_request(100, 16)
+    assert (mine.budget, mine.sink, mine.protect_prompt) == (116, 100, False)
+    assert mine.for_request(100, None) is mine  # applied once
+    with pytest.raises(Exception, match="phase prefill"):
+        make_policy("rkv", budget=24, window=4, protect_prompt=True, phase="prefill")

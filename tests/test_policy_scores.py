@@ -131,7 +131,7 @@ def test_h2o_accumulated_select(recent_ratio, window, sink):
     pol = make_policy("h2o", budget=12, window=window, sink=sink, recent_ratio=recent_ratio)
     n = 20
     obs = observation(n, 1, attn=True)
-    recent = max(window, int(recent_ratio * 12))
+    recent = max(window, int(recent_ratio * (12 - sink)))  # the share is of the budget beyond the sink
     assert pol.recent == recent
     keep = pol.select(obs)
     for bi in range(b):

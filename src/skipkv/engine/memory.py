@@ -93,7 +93,9 @@ def slot_needs(lengths: torch.Tensor, running: Sequence[Request]) -> torch.Tenso
     """Entries [L, n] each decoding request in slots [0, n) may need per layer from now on: what it holds now
     (lengths [L, >=n]) plus the growth it may still see, bounded by its layer capacity."""
     held = lengths[:, :len(running)]
-    remaining = torch.tensor([r.sampling.max_new_tokens - len(r.output_ids) for r in running], dtype=torch.long)
+    # Counted from what each request has fed, not from its outputs: within a step the decode has fed a token
+    # whose sampled successor is added only after the next prefill chunk is staged (Engine._step).
+    remaining = torch.tensor([r.to_feed() for r in running], dtype=torch.long)
     bound = torch.stack([_plan(r).capacity for r in running], dim=1) if running else held  # [L, n]
     return torch.maximum(held, torch.minimum(bound, held + remaining))
 

@@ -143,6 +143,14 @@ class Request:
     token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens
     forced: int = 0  # times budget forcing replaced an end of thinking (at most sampling.force_wait)
     pending: list[int] = field(default_factory=list)  # forced tokens still to emit, in order
+    # Tokens fed to the model so far (prompt + generated), set by the runner: one ahead of output_ids between a
+    # decode step and the moment its sampled token is added (a chunk prefilled later in the same step).
+    fed: int = 0
+
+    def to_feed(self) -> int:
+        """Tokens this request may still feed (and cache): prompt + max_new_tokens - 1 in all, the last
+        sampled token is never fed."""
+        return self.prompt_len + self.sampling.max_new_tokens - 1 - self.fed
 
     @property
     def prompt_len(self) -> int:

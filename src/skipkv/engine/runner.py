@@ -196,6 +196,8 @@ class ModelRunner:
         for i in range(k):
             if start + i != n + i:
                 self._move(start + i, n + i)
+        for r in new:
+            r.fed = r.prompt_len
         self.running.extend(new)
         self.cohort, self._last_hidden = [], []
         return int(real.sum()), list(zip(new, tokens))
@@ -220,6 +222,8 @@ class ModelRunner:
         if self.steering is not None:
             self.steering.prepare(last, [r.state for r in self.running])
         hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
+        for r in self.running:
+            r.fed += 1
         held = self._note_memory(0, self.running, decoding=True)
         if self.need_hidden:
             for i, r in enumerate(self.running):

@@ -96,6 +96,7 @@ def branch(bundle, full: ModelRunner, policy: Policy, ids: list[int], sampling: 
         run.queries = full.queries.narrowed(policy.query_window)
     [req] = make_requests(bundle, [ids], sampling, policy)
     run._prepare([req])
+    req.fed = req.prompt_len
     run.running = [req]
     held = run._note_memory(0, [req], decoding=False)  # the whole prompt, as the policy's own prefill staged it
     if policy.should_compress(held[0], True, req.state):

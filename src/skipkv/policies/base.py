@@ -10,6 +10,12 @@ different lengths; the store gives each layer its own capacity, so the bytes fol
 Memory: a policy says what each layer of a request can hold (`layer_capacity`, after the prompt is in;
 `prefill_keep`, after a prefill compression); engine/memory.py sizes the store and admits requests from
 these alone. A request may run a lower budget than the policy's (`for_request`, e.g. the server's kv_budget).
+
+Protected prompts (`protect_prompt`, every compressing policy but the model-wide ones): the prompt is never
+evicted and `budget` counts generated tokens. `for_request` realises it per request as `budget + P` and
+`sink + P` (P = the prompt's length): the P oldest entries are the prompt, the sink is always kept, and kept
+indices stay in cache order, so every capacity, admission and selection rule holds unchanged. Nothing is then
+compressed at prefill (the prompt never exceeds P + budget), so `phase prefill` is refused with it.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class Policy:
     sink: int = knob(0, "oldest tokens always kept", ge=0)
     interval: int = knob(128, "decode steps the cache may grow past the budget", gt=0)
     phase: str = knob("both", "when compression runs", choices=PHASES)
+    protect_prompt: bool = knob(False, "never evict prompt entries; budget counts generated tokens "
+                                "(each request runs with budget and sink raised by its prompt length)")
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
@@ -76,6 +84,12 @@ class Policy:
             return
         if self.budget <= self.window + self.sink:
             raise SkipKVError(f"budget ({self.budget}) must exceed window + sink ({self.window} + {self.sink})")
+        if self.protect_prompt and self.model_wide:
+            raise SkipKVError(f"protect_prompt does not apply to {self.name or type(self).__name__}: it selects "
+                              "among the prompt's own entries")
+        if self.protect_prompt and self.phase == "prefill":
+            raise SkipKVError("protect_prompt keeps the whole prompt, so phase prefill would never compress; "
+                              "use phase decode or both")
 
     def requirements(self) -> frozenset[str]:
         """What the engine must capture for this instance: subset of {"queries", "attn", "hidden"}."""
@@ -141,15 +155,22 @@ class Policy:
 
     def for_request(self, prompt_len: int, budget: int | None) -> Policy:
         """The policy one request runs under: this one, or (`budget`) the same with a lower budget for this
-        request only, at most `request_budget(prompt_len)`. SkipKVError for a budget it cannot run."""
-        if budget is None:
-            return self
-        if not self.compresses:
-            raise SkipKVError(f"policy {type(self).__name__} keeps every token; a budget does not apply")
-        top = self.request_budget(prompt_len)
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= top:
-            raise SkipKVError(f"budget must be an integer in (0, {top}] (the policy's for this prompt), got {budget!r}")
-        return replace(self, budget=budget)  # validates budget > window + sink
+        request only, at most `request_budget(prompt_len)`; with `protect_prompt`, its budget and sink raised
+        by `prompt_len` (module docstring). SkipKVError for a budget it cannot run."""
+        policy = self
+        if budget is not None:
+            if not self.compresses:
+                raise SkipKVError(f"policy {type(self).__name__} keeps every token; a budget does not apply")
+            top = self.request_budget(prompt_len)
+            if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= top:
+                raise SkipKVError(f"budget must be an integer in (0, {top}] (the policy's for this prompt), "
+                                  f"got {budget!r}")
+            policy = replace(self, budget=budget)  # validates budget > window + sink
+        if policy.protect_prompt and policy.compresses:
+            # Applied once: the request's copy says protect_prompt=False, its sink already holds the prompt.
+            policy = replace(policy, budget=policy.budget + prompt_len, sink=policy.sink + prompt_len,
+                             protect_prompt=False)
+        return policy
 
     def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
         """Model-wide policies only: obs holds every layer of ONE request (b = 1, n_l entries in layer l).

@@ -4,11 +4,13 @@
 
 Faithful by default: a token's score is the attention it has received, summed over every query since it
 entered the cache (prompt queries included) and over the query heads of its kv group; as in the paper, half
-the budget is the recent set (`recent_ratio` 0.5; the recent set is max(window, recent_ratio x budget)) and
-the other half the heavy hitters. `variant="last_query"` reproduces the R-KV/SkipKV repos' "H2O", which
-scores by the softmax of the newest query only and keeps only the newest token as recent: use
-`--variant last_query --recent-ratio 0 --window 1`. Departures: eviction runs every `interval` steps (not
-every token) so that batched gathers stay cheap; GQA scores are summed over the group's query heads.
+the budget is the recent set (`recent_ratio` 0.5; the recent set is max(window, recent_ratio x (budget - sink)):
+the share is of the budget beyond the always-kept sink, so a protected prompt, which runs as the sink, leaves
+the generated budget's split unchanged) and the other half the heavy hitters. `variant="last_query"` reproduces
+the R-KV/SkipKV repos' "H2O", which scores by the softmax of the newest query only and keeps only the newest
+token as recent: use `--variant last_query --recent-ratio 0 --window 1`. Departures: eviction runs every
+`interval` steps (not every token) so that batched gathers stay cheap; GQA scores are summed over the group's
+query heads.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ class H2O(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.recent + self.sink >= self.budget:
-            raise SkipKVError(f"h2o recent set ({self.recent} = max(window, recent_ratio x budget)) + sink "
+            raise SkipKVError(f"h2o recent set ({self.recent} = max(window, recent_ratio x (budget - sink))) + sink "
                               f"({self.sink}) must be below the budget ({self.budget})")
 
     @property
     def recent(self) -> int:
         """Newest tokens kept whatever they score."""
-        return max(self.window, int(self.recent_ratio * self.budget))
+        return max(self.window, int(self.recent_ratio * (self.budget - self.sink)))
 
     def kept_window(self, obs: Observation) -> int:
         return self.recent

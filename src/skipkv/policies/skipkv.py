@@ -37,10 +37,9 @@ Steering (optional, `steering` = a file from `skipkv steer build`): α·v is add
 - `compression`: at each decode compression only (the behaviour before reference parity);
 - `sentence`: at every token (the count is live, so α changes as soon as a check sentence closes).
 
-`protect_prompt` (an analysis knob, default off): prompt entries are never evicted and `budget` counts generated
-tokens only. The request holds prompt_len + budget entries after each compression and up to prompt_len +
-budget + interval before one (its capacity grows by the prompt length); nothing is compressed at prefill.
-Prompt sentences are still tracked, compared and can be flagged (flags on them have no effect).
+`protect_prompt` (every policy's knob, policies/base.py): prompt entries are never evicted and `budget` counts
+generated tokens only. Prompt sentences are still tracked, compared and can be flagged (flags on them have no
+effect: the prompt is the request's sink).
 
 Departures from the reference code (TTTTTTris/SkipKV, skipkv/compression/skipkv.py): no pads exist in our
 slots, so there is no pad score of 100; the comparison runs once per request per compression (not per layer);
@@ -60,7 +59,6 @@ from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation
 from skipkv.policies.rkv import RKV
-from skipkv.scoring import protect_and_select
 from skipkv.sentences import REFERENCE_DELIMITERS, SentenceTracker, flag_earlier, parse_delimiters, span_penalty
 from skipkv.sentences.tracker import CHECK_WORD_SETS, TablesByTokenizer
 from skipkv.steering.gate import SteerState
@@ -98,7 +96,6 @@ class SkipKV(SteeringKnobs, RKV):
     check_words: str = knob("reference_ids", "check labels: reference_ids (token ids of Alternatively, Wait, again, "
                             "first per forward; the reference), reference (those words in the text) or seal",
                             choices=CHECK_WORD_SETS)
-    protect_prompt: bool = knob(False, "never evict prompt entries; budget counts generated tokens")
     min_span_entries: int = knob(2, "a flagged sentence is penalised in a head only if the head holds at least "
                                  "this many of its entries (2 = reference: spans with start >= end are skipped)",
                                  ge=1)
@@ -116,9 +113,6 @@ class SkipKV(SteeringKnobs, RKV):
             raise SkipKVError(f"skipkv delimiters {self.delimiters!r} has a bad escape") from None
         if self.sentence_mode == "ids" and not all(delims):
             raise SkipKVError("skipkv delimiters must list at least one non-empty string")
-        if self.protect_prompt and self.phase == "prefill":
-            raise SkipKVError("protect_prompt keeps the whole prompt, so phase prefill would never compress; "
-                              "use phase decode or both")
         self._check_steering_file()
 
     @cached_property
@@ -163,18 +157,6 @@ class SkipKV(SteeringKnobs, RKV):
         assert state.steer is not None  # the coefficient is only asked for when steering
         return state.steer.alpha
 
-    # ------------------------------------------------------------------------------------ budget
-    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        if self.protect_prompt:
-            return prompt_len + self.budget + self.interval
-        return super().capacity(prompt_len, max_new_tokens)
-
-    def should_compress(self, length: int, is_prefill: bool, state: object | None = None) -> bool:
-        if not self.protect_prompt:
-            return super().should_compress(length, is_prefill, state)
-        assert isinstance(state, SkipKVState)
-        return not is_prefill and length >= state.prompt_len + self.budget + self.interval
-
     # ------------------------------------------------------------------------------------ scoring
     def score(self, obs: Observation) -> torch.Tensor:
         s = super().score(obs)  # [b, H, n]
@@ -186,21 +168,6 @@ class SkipKV(SteeringKnobs, RKV):
                 pen = span_penalty(obs.positions[b], starts, ends, sims, self.min_span_entries)  # [H, n]
                 s[b] -= self.sentence_weight * pen.to(s.dtype)
         return s
-
-    def select(self, obs: Observation) -> torch.Tensor:
-        scores = self.score(obs)
-        if not self.protect_prompt:
-            return protect_and_select(scores, self.budget, self.window, self.sink)
-        assert obs.states is not None  # the runner passes every row's state
-        prompt_lens = {st.prompt_len for st in obs.states}
-        # Rows are grouped by length and compress at prompt_len + budget + interval, so a group shares one
-        # prompt length; the keep tensor must be rectangular.
-        if len(prompt_lens) != 1:
-            raise RuntimeError("protect_prompt: rows of one compression group have prompt lengths "
-                               f"{sorted(prompt_lens)}")
-        P = prompt_lens.pop()
-        scores = scores.masked_fill(obs.positions < P, float("inf"))
-        return protect_and_select(scores, P + self.budget, self.window, self.sink)
 
     # ------------------------------------------------------------------------------------ reporting
     def stats(self, state: SkipKVState) -> dict:
