@@ -82,5 +82,5 @@ def test_a_policy_added_in_one_file_is_discovered_and_runs_the_contract(tmp_path
     run = subprocess.run([sys.executable, "-m", "pytest", "tests/test_policies.py", "-k", "toy_keynorm", "-q",
                           "-p", "no:cacheprovider"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    # batch == singles, budget and protected tokens, big budget == full, deterministic under a seed
-    assert re.search(r"\b4 passed\b", run.stdout), run.stdout[-1500:]
+    # batch == singles, budget and protected tokens, big budget == full, deterministic under a seed, protected prompt
+    assert re.search(r"\b5 passed\b", run.stdout), run.stdout[-1500:]

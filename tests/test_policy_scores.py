@@ -163,8 +163,10 @@ def test_new_knobs_are_validated():
         make_policy("snapkv", variant="exact")
     with pytest.raises(SkipKVError, match="recent_ratio"):
         make_policy("h2o", recent_ratio=1.0)
-    with pytest.raises(SkipKVError, match="recent set"):
-        make_policy("h2o", budget=16, window=4, sink=8, recent_ratio=0.5)
+    # The recent set max(window, recent_ratio x (budget - sink)) plus the sink is below the budget whenever the
+    # shared rule (budget > window + sink) holds, so that rule is the one that refuses.
+    with pytest.raises(SkipKVError, match="budget .16. must exceed window . sink"):
+        make_policy("h2o", budget=16, window=4, sink=12, recent_ratio=0.5)
 
 
 # ------------------------------------------------------------------------------------------ scoring pieces

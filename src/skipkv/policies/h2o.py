@@ -21,7 +21,6 @@ from typing import ClassVar
 import torch
 
 from skipkv.config import knob
-from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
 from skipkv.scoring import window_logits
@@ -41,12 +40,6 @@ class H2O(Policy):
                                ge=0.0, lt=1.0)
 
     needs: ClassVar[frozenset[str]] = frozenset({"attn", "queries"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.recent + self.sink >= self.budget:
-            raise SkipKVError(f"h2o recent set ({self.recent} = max(window, recent_ratio x (budget - sink))) + sink "
-                              f"({self.sink}) must be below the budget ({self.budget})")
 
     @property
     def recent(self) -> int:
