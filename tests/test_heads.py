@@ -204,3 +204,18 @@ def test_generate_cli_reports_head_counts_and_real_bytes(capsys):
     D = 64 // 4
     assert row["allocated_kv_bytes"] == sum(n for layer in heads for n in layer) * 2 * D * 4  # K+V fp32, one head
     assert row["layer_kv_tokens"] == [round(sum(layer) / 2) for layer in heads]
+
+
+def test_bench_decode_compares_head_split_and_uniform_at_equal_kept_tokens(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    specs = "laprox:budget_ratio=0.5,prefill_window=4;laprox:budget_ratio=0.5,prefill_window=4,granularity=head"
+    code = main(["bench", "decode", "--model", "random:qwen2", "--dtype", "fp32", "--threads", "1", "--policies",
+                 specs, "--prompt-tokens", "40", "--lengths", "3,5", "--span", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["prompt_tokens"] == 40
+    layer, head = report["runs"]
+    assert (layer["policy"], head["policy"]) == tuple(specs.split(";"))
+    # the same entries per (layer, kv head) on average: 20 kept of the 40-token prompt, + 4 decoded
+    assert layer["kv_tokens"] == head["kv_tokens"] == {"3": 22, "5": 24}
+    assert head["allocated_peak_bytes"] > 0
