@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (the same prompt)")
     ap.add_argument("--out")
     args = ap.parse_args()
     threads = set_threads(args.threads)
@@ -82,8 +83,9 @@ def main() -> None:
     tok = bundle.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
                                      add_generation_prompt=True)
-    eng = Engine(bundle, make_policy("full"), EngineConfig(batch_size=1))
-    eng.add_request(prompt, SamplingParams(max_new_tokens=args.steps + 40, ignore_eos=True))
+    eng = Engine(bundle, make_policy("full"), EngineConfig(batch_size=args.batch))
+    for _ in range(args.batch):
+        eng.add_request(prompt, SamplingParams(max_new_tokens=args.steps + 40, ignore_eos=True))
     for _ in range(16):  # prefill + warm-up steps
         eng.step()
     plain = []
@@ -138,7 +140,7 @@ def main() -> None:
     rows["decoder: rest (embedding, residual adds, glue)"] = model_ms - inside
     rows["engine outside decoder and LM head (scheduling, KV accounting, sampling, Python)"] = (
         step_ms - model_ms - rows["linear: LM head"])
-    print(f"{'part of one decode step (batch 1)':72s} {'ms':>8s} {'share':>7s}")
+    print(f"{f'part of one decode step (batch {args.batch})':72s} {'ms':>8s} {'share':>7s}")
     for k, v in rows.items():
         print(f"{k:72s} {v:8.2f} {v / step_ms:7.1%}")
     print(f"{'engine.step() under the profiler':72s} {step_ms:8.2f}")
@@ -146,7 +148,7 @@ def main() -> None:
           f"with: median {statistics.median(walls) * 1e3:.2f} ms ({threads} threads, {bundle.dtype})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "dtype": str(bundle.dtype), "threads": threads, "steps": n,
+            json.dump({"model": args.model, "dtype": str(bundle.dtype), "threads": threads, "steps": n, "batch": args.batch,
                        "rows_ms": rows, "step_ms_profiled": step_ms,
                        "step_ms_plain_median": statistics.median(plain) * 1e3,
                        "environment": environment(bundle.dtype_choice)}, f, indent=1)

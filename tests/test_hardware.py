@@ -99,3 +99,50 @@ def test_bench_throughput_json_records_the_choice(monkeypatch, tmp_path, native,
 
 def test_threads_must_not_be_negative():
     assert main(["generate", "--model", "random:qwen2", "--threads", "-1", "Hi"]) == 2
+
+
+@pytest.mark.parametrize("amx,expected", [(True, True), (False, False), (None, None)])
+def test_decode_attention_follows_amx(monkeypatch, amx, expected):
+    fake_cpu(monkeypatch, avx512_bf16=True, amx=amx)
+    monkeypatch.delenv(hardware.SDPA_ENV, raising=False)
+    hardware._decode_sdpa.cache_clear()
+    if amx is None:  # no torch check: /proc/cpuinfo decides
+        expected = "amx_tile" in hardware.cpu_flags()
+    ok, why = hardware.decode_sdpa("cpu")
+    assert ok is expected and ("AMX" in why or "amx" in why)
+    assert hardware.decode_sdpa("cuda")[0] is True
+    monkeypatch.setenv(hardware.SDPA_ENV, "0")
+    assert hardware.decode_sdpa("cpu") == (False, "SKIPKV_DECODE_SDPA=0 (overridden)")
+    monkeypatch.setenv(hardware.SDPA_ENV, "yes")
+    with pytest.raises(SkipKVError, match="SKIPKV_DECODE_SDPA must be 0 or 1"):
+        hardware.decode_sdpa("cpu")
+    hardware._decode_sdpa.cache_clear()
+
+
+@pytest.mark.parametrize("use_sdpa", ["1", "0"])
+def test_bf16_decode_runs_the_chosen_kernel(monkeypatch, use_sdpa):
+    """At batch 1 (every key visible) a bf16 decode step runs fused SDPA only where decode_sdpa says so; the two
+    kernels agree to bf16 rounding (the real model's greedy tokens equal transformers' with either:
+    tests/test_real_model.py, run on processors of both kinds)."""
+    from skipkv import SamplingParams, generate, make_policy
+    from skipkv.attention import F as attn_F
+
+    bundle = load_model("random:qwen2", dtype="bf16")
+    monkeypatch.setenv(hardware.SDPA_ENV, use_sdpa)
+    calls = []
+    real = attn_F.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        calls.append(q.shape[2])  # queries per row: 1 in a decode step
+        out = real(q, k, v, *a, **kw)
+        if q.shape[2] == 1:  # the grouped fp32 computation of the same step
+            G = q.shape[1] // k.shape[1]
+            logits = torch.matmul(q.float().reshape(q.shape[0], k.shape[1], G, q.shape[3]),
+                                  k.float().transpose(-1, -2)) * kw.get("scale", q.shape[3] ** -0.5)
+            ref = torch.matmul(torch.softmax(logits, -1), v.float()).reshape(out.shape)
+            assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
+        return out
+
+    monkeypatch.setattr(attn_F, "scaled_dot_product_attention", spy)
+    generate(bundle, ["The quick brown fox"], SamplingParams(max_new_tokens=12, ignore_eos=True), make_policy("full"))
+    assert (sum(1 for t in calls if t == 1) > 0) == (use_sdpa == "1")

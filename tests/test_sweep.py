@@ -319,3 +319,18 @@ def test_cli_share_prefill_runs_a_group(monkeypatch, tmp_path, capsys):
 
     assert execution("laprox-r0.2")["shared_prefill"]
     assert "shared_prefill" not in execution("skipkv-r0.2")
+
+
+def test_a_dataset_entry_can_run_a_subset_of_the_cells(tmp_path):
+    datasets = [{"name": "gsm8k", "label": "all", "limit": 4},
+                {"name": "gsm8k", "label": "key", "offset": 4, "limit": 4, "cells": ["full-*", "rkv-b64-*"]}]
+    cells = expand_sweep(grid(datasets=datasets, budget_ratios=None), tmp_path)
+    by = {}
+    for c in cells:
+        by.setdefault(Path(c["out_dir"]).parent.name, []).append(c["name"])
+    assert len(by["all"]) == 2 + 2 * 2 * 2
+    assert by["key"] == ["full-s0", "full-s1", "rkv-b64-s0", "rkv-b64-s1"]
+    key = next(c for c in cells if Path(c["out_dir"]).parent.name == "key")
+    assert key["dataset_options"] == {"offset": 4} and key["limit"] == 4
+    with pytest.raises(SkipKVError, match="pattern 'rkv-b99-\\*' matches no cell"):
+        expand_sweep(grid(datasets=[{"name": "gsm8k", "cells": ["rkv-b99-*"]}]), tmp_path)

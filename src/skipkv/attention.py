@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from skipkv.cache.store import KVStore, to_device
+from skipkv.hardware import decode_sdpa
 
 BACKEND = "skipkv"
 
@@ -164,11 +165,13 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
             _accumulate_causal(ctx, layer, query, key, scaling)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
-    if mask is None and not ctx.accumulate and query.dtype != torch.float32:
+    fused = query.dtype == torch.float64 or (query.dtype != torch.float32 and decode_sdpa(query.device)[0])
+    if mask is None and not ctx.accumulate and fused:
         # Every key visible to the one query of every row (batch 1, or rows of equal length), 16-bit: the very
         # call transformers' SDPA attention makes for such a step (GQA in the kernel, no mask), so it rounds as
-        # transformers does, and on CPU it is the faster one in bf16 (36 vs 83 us at 128 keys, 633 vs 936 us at
-        # 4K, one thread). In fp32 the grouped matmul below wins from ~1K keys on (613 vs 1424 us at 4K).
+        # transformers does; on CUDA and on CPUs with AMX it is also the faster one (hardware.decode_sdpa: on a
+        # CPU without AMX it is 2-10x slower and the grouped path below runs). In fp32 the grouped matmul below
+        # wins from ~1K keys on (613 vs 1424 us at 4K). fp64 (the exactness tests) always takes this call.
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=H != Hq)
         return out.transpose(1, 2).contiguous(), None
     # Grouped attention: the G query heads of a kv head share one matmul against its keys. torch's SDPA with

@@ -8,6 +8,7 @@ options against the registries; each cell's EvalConfig is built up front by `loa
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -21,8 +22,9 @@ from skipkv.errors import SkipKVError
 # Top-level YAML keys -> one-line description (used by the unknown-key error and --help epilog).
 SWEEP_KEYS: dict[str, str] = {
     "model": "model to load (hub id, folder, GGUF, recipe name or random:<family>)",
-    "datasets": "list of dataset names, or {name, label?, limit?, <dataset options>} mappings (limit: this "
-                "dataset's own first-N instead of the top-level one)",
+    "datasets": "list of dataset names, or {name, label?, limit?, cells?, <dataset options>} mappings (limit: "
+                "this dataset's own first-N instead of the top-level one; cells: glob patterns of the cell names "
+                "that run on it, e.g. [full-*, rkv-b64-*], instead of every cell)",
     "policies": "list of policy names, or {name, label?, budgets?, <policy knobs>} mappings (budgets: this "
                 "entry's own token budgets instead of the top-level list)",
     "budgets": "list of KV budgets in tokens (per request, per kv head)",
@@ -235,10 +237,15 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
             raise SkipKVError(f"sweep: policy {name!r} has no knob {bad[0]!r}; knobs: {', '.join(sorted(known))}")
         compresses[name] = bool(cls.compresses)
     own_limits: dict[str, int | None] = {}  # a dataset entry's `limit:` replaces the top-level one for it
+    own_cells: dict[str, list[str]] = {}  # a dataset entry's `cells:` (glob patterns) restricts what runs on it
     for _, label, opts in datasets:
         if "limit" in opts:
             own_limits[label] = _positive_int(opts, "limit", allow_null=True)
             del opts["limit"]
+        if "cells" in opts:
+            own_cells[label] = list(_list(opts, "cells", lambda c: isinstance(c, str) and bool(c),
+                                          "cell-name patterns") or [])
+            del opts["cells"]
     long_context = {label: _check_dataset(name, opts) for name, label, opts in datasets}
     budgeted = [label for name, label, _ in policies if compresses[name]]
     if budgeted and not budgets and not ratios:
@@ -268,6 +275,8 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
             for suffix, budget, ratio in axis:
                 for seed in seed_axis:
                     name = cell_name(pol_label, suffix, seed)
+                    if ds_label in own_cells and not any(fnmatch.fnmatchcase(name, p) for p in own_cells[ds_label]):
+                        continue
                     reference = None
                     if ratio is not None and not long_context[ds_label]:
                         reference = str(root / ds_label / cell_name(str(full_label), "", seed))
@@ -287,6 +296,11 @@ def expand_sweep(raw: Mapping[str, Any], base_dir: Path | str = ".") -> list[Cel
                         **({"limit": own_limits[ds_label]} if ds_label in own_limits else {}),
                         "options": dict(options),
                     })
+    for label, patterns in own_cells.items():
+        names = [Path(c["out_dir"]).name for c in cells if Path(c["out_dir"]).parent.name == label]
+        idle = next((p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)), None)
+        if idle is not None:
+            raise SkipKVError(f"sweep: dataset {label!r} cells pattern {idle!r} matches no cell")
     dirs = [c["out_dir"] for c in cells]
     if len(set(dirs)) != len(dirs):  # e.g. two ratios that print alike (0.25 and 0.2500001)
         dup = next(d for d in dirs if dirs.count(d) > 1)
