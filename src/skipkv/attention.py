@@ -200,8 +200,9 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
     """Attention over a head-split store: kv head h of `layer` (unit u = layer*H + h, its own length per row)
     with its G query heads. query [B, Hq, T, D]; key/value [B, H, T, D] are this forward's new entries only
     (SlotCache.update wrote them into the units). Returns ([B, T, Hq, D], None). The same arithmetic as the
-    uniform path, one kv head at a time: SDPA where every key is visible and the dtype is 16-bit or fp64,
-    else the grouped fp32 matmul with the unit's mask."""
+    uniform path, one kv head at a time: fused SDPA where every key is visible and the uniform path would take it
+    (fp64, or 16-bit where hardware.decode_sdpa says it is faster), else the grouped fp32 matmul with the unit's
+    mask."""
     if ctx.accumulate:
         raise RuntimeError("accumulated attention (store aux 'attn') is not kept in a head-split store")
     B, Hq, T, D = query.shape
@@ -215,13 +216,14 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         return out.transpose(1, 2).contiguous(), None
     store, s0 = ctx.store, ctx.start
     scale = scaling if scaling is not None else D**-0.5
+    fused = query.dtype == torch.float64 or (query.dtype != torch.float32 and decode_sdpa(query.device)[0])
     outs = []
     for h, u in enumerate(units):
         K = max(rows[u]) + T
         k, v = store.k[u][s0:s0 + B, :, :K], store.v[u][s0:s0 + B, :, :K]  # [B, 1, K, D]
         q = query[:, h * G:(h + 1) * G]  # [B, G, T, D]: the query heads that read kv head h
         mask = ctx.mask(u, T, K, query.device)
-        if mask is None and query.dtype != torch.float32:
+        if mask is None and fused:
             outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=G > 1))
             continue
         logits = (torch.matmul(q.reshape(B, 1, G * T, D).float(), k.float().transpose(-1, -2)) * scale)
