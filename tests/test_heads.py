@@ -219,3 +219,35 @@ def test_bench_decode_compares_head_split_and_uniform_at_equal_kept_tokens(tmp_p
     # the same entries per (layer, kv head) on average: 20 kept of the 40-token prompt, + 4 decoded
     assert layer["kv_tokens"] == head["kv_tokens"] == {"3": 22, "5": 24}
     assert head["allocated_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("knobs", [dict(name="adakv", budget=12, prefill_window=4, floor_ratio=0.0),
+                                   dict(name="laprox", budget_ratio=0.3, prefill_window=4, granularity="head")])
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_every_head_stays_within_its_planned_bounds(sharp, knobs, chunk):
+    """What each (layer, kv head) holds after every prefill chunk never exceeds what memory.py planned for it
+    (the per-unit bounds admission relies on), and some head holds more than the per-head budget."""
+    from skipkv.attention import attention_backend
+    from skipkv.engine import make_requests
+
+    policy = policy_of(knobs)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (70, 45)]
+    reqs = make_requests(sharp, prompts, SamplingParams(max_new_tokens=3, ignore_eos=True), policy)
+    runner = ModelRunner(sharp, policy, num_slots=2, prefill_chunk=chunk)
+    over = False
+    with attention_backend(sharp.model), torch.inference_mode():
+        runner.start_cohort(reqs)
+        step, done = 0, []
+        while not done:
+            done = runner.prefill_step()[1]
+            step += 1
+            for i, r in enumerate(reqs):
+                assert r.plan is not None
+                held = runner.store.lengths[:, i]
+                bound = r.plan.held[min(step, len(r.plan.held) - 1)]
+                assert (held <= bound).all(), f"request {i} after chunk {step}: {held.tolist()} > {bound.tolist()}"
+                assert (held <= r.plan.capacity).all()
+                per_head = knobs.get("budget") or round(knobs["budget_ratio"] * r.prompt_len)
+                over |= bool((held > per_head).any())
+    assert over, "a head should keep more than the per-head budget (else the bounds are not exercised)"
