@@ -251,3 +251,18 @@ def test_every_head_stays_within_its_planned_bounds(sharp, knobs, chunk):
                 per_head = knobs.get("budget") or round(knobs["budget_ratio"] * r.prompt_len)
                 over |= bool((held > per_head).any())
     assert over, "a head should keep more than the per-head budget (else the bounds are not exercised)"
+
+
+def test_trace_records_what_each_head_kept(monkeypatch, sharp):
+    """`generate(..., trace=True)` on a head-split store: per (layer, kv head), the prompt positions never
+    evicted are exactly what that head kept (a head's padding up to its layer's longest is not counted)."""
+    from skipkv.engine.trace import decode_evicted
+
+    _, kept = engine_kept(monkeypatch, sharp, policy_of(ADAKV), PROMPTS[:1], [3], EngineConfig())
+    [res] = generate(sharp, PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True), policy_of(ADAKV),
+                     trace=True)
+    assert res.trace is not None
+    ev = decode_evicted(res.trace)  # [L, H, T]
+    P = res.prompt_tokens
+    got = [[[p for p in range(P) if ev[l, h, p] < 0] for h in range(ev.shape[1])] for l in range(ev.shape[0])]
+    assert got == kept[0][0]
