@@ -23,6 +23,10 @@ with AVX512-BF16, bf16, 2 threads, per layer: 0.159 vs 0.081 ms at batch 1 and 1
 keys, 2.20 vs 0.24 ms at batch 16), so there the engine's grouped fp32 attention runs instead. The two round
 differently, so the choice is recorded (`SKIPKV_DECODE_SDPA=1|0` overrides it).
 
+Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
+weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, a decode step
+9% faster at batch 1 and 35% at batch 16 on the EPYC above. `SKIPKV_PACKED_LINEARS=1|0` overrides.
+
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
 changes it, and the record keeps what ran.
 """
@@ -46,6 +50,7 @@ from skipkv.errors import SkipKVError
 
 OVERRIDE_ENV = "SKIPKV_CPU_BF16"
 SDPA_ENV = "SKIPKV_DECODE_SDPA"
+PACK_ENV = "SKIPKV_PACKED_LINEARS"
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 _PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
 
@@ -134,6 +139,24 @@ def decode_sdpa(device: torch.device | str = "cpu") -> tuple[bool, str]:
     return _decode_sdpa(torch.device(device).type, os.environ.get(SDPA_ENV))
 
 
+def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
+    """Whether a model in `dtype` on `device` runs its linears with oneDNN-prepacked weights, and why."""
+    forced = os.environ.get(PACK_ENV)
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise SkipKVError(f"{PACK_ENV} must be 0 or 1, got {forced!r}")
+        if forced == "0" or torch.device(device).type != "cpu":
+            return False, f"{PACK_ENV}={forced} (overridden)" + ("" if forced == "0" else ", but not on a CPU")
+    if torch.device(device).type != "cpu":
+        return False, f"{torch.device(device).type} device"
+    if dtype != torch.bfloat16:
+        return False, f"{str(dtype).removeprefix('torch.')}: packing is used for bf16 only"
+    ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not ok:
+        return False, "oneDNN without bf16 support on this CPU"
+    return True, "CPU, bf16, oneDNN with bf16" + (f" ({PACK_ENV}=1)" if forced else "")
+
+
 def resolve_auto(dtype: str, device: str | torch.device | None = "cpu") -> tuple[str, DtypeChoice | None]:
     """`dtype` itself, or for "auto" this machine's choice; the choice is returned too, to be recorded."""
     if dtype != "auto":
@@ -208,6 +231,8 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
         env["dtype_choice"] = asdict(dtype_choice)
     sdpa, why = decode_sdpa("cpu")
     env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped_fp32", "reason": why}
+    packed, why = packed_linears(torch.bfloat16, "cpu")
+    env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
     return env
 
 

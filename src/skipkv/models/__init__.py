@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import torch
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import DtypeChoice, resolve_auto
+from skipkv.hardware import DtypeChoice, packed_linears, resolve_auto
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -37,6 +37,7 @@ class ModelBundle:
     name: str
     family: str
     dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
+    packed_linears: str = ""  # whether the linears run prepacked (models/packed.py), and why (hardware.packed_linears)
 
     @property
     def config(self):
@@ -170,7 +171,7 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 
         model, tokenizer, family = build_random(name, torch_dtype, seed=seed)
         check_attention_layout(model.config, name)
-        return ModelBundle(model.to(device).eval(), tokenizer, name, family, choice)
+        return _bundle(model.to(device).eval(), tokenizer, name, family, choice)
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -218,4 +219,15 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         hf_model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise SkipKVError(f"cannot load model {name!r}: {str(exc).splitlines()[0][:200]}") from None
-    return ModelBundle(hf_model.to(device).eval(), tokenizer, name, family, choice)
+    return _bundle(hf_model.to(device).eval(), tokenizer, name, family, choice)
+
+
+def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeChoice | None) -> ModelBundle:
+    """The bundle, with the linears prepacked where that is faster (hardware.packed_linears)."""
+    device = next(model.parameters()).device
+    pack, why = packed_linears(next(model.parameters()).dtype, device)
+    if pack:
+        from skipkv.models.packed import pack_linears
+
+        why = f"{pack_linears(model)} linears prepacked: {why}"
+    return ModelBundle(model, tokenizer, name, family, choice, why)

@@ -1,0 +1,54 @@
+"""Linear layers with their weights prepacked once for oneDNN (CPU, bf16), instead of at every call.
+
+    python -c "from skipkv.models import load_model; b = load_model('random:qwen2', dtype='bf16'); print(b.packed)"
+
+`torch.nn.functional.linear` in bf16 on a CPU hands the weight to oneDNN, which reorders it into its blocked layout
+on every call; `torch.ops.mkldnn._reorder_linear_weight` does that once, and `_linear_pointwise` multiplies with
+the packed copy. The kernel is the same, so the outputs are bit-identical (tests/test_packed.py); what changes is
+the time, measured on a 2-core EPYC (AVX512-BF16, no AMX), Qwen2.5-0.5B, full-cache decode step, 2 threads:
+71.9 -> 65.5 ms at batch 1, 129.6 -> 83.9 ms at batch 16 (docs/benchmarks.md). Whether it runs is decided by
+`hardware.packed_linears` (CPU, bf16, oneDNN with bf16 support; `SKIPKV_PACKED_LINEARS=1|0` overrides).
+
+Memory: the packed copy replaces the dense weight, except where the project reads the dense one (`o_proj`:
+LaProx's output-aware score and the fidelity benchmark) and where it is shared (`lm_head` tied to the input
+embedding): there both exist (for Qwen2.5-0.5B, 38 MB of o_proj and the 272 MB tied embedding copied once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Children whose dense weight the project reads (o_proj) or that share it (a tied lm_head): kept beside the pack.
+KEEP_DENSE = frozenset({"o_proj", "lm_head"})
+
+
+class PackedLinear(torch.nn.Module):
+    """`torch.nn.Linear` with a oneDNN-packed weight. `weight` stays only where `keep_dense` (see KEEP_DENSE)."""
+
+    def __init__(self, linear: torch.nn.Linear, keep_dense: bool, batch_hint: int = 16) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = linear.bias
+        if keep_dense:
+            self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
+                                               "none", [], "")
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by a PackedLinear, in place; returns how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, PackedLinear(child, keep_dense=name in KEEP_DENSE))
+                count += 1
+    return count
