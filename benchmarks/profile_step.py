@@ -148,7 +148,8 @@ def main() -> None:
           f"with: median {statistics.median(walls) * 1e3:.2f} ms ({threads} threads, {bundle.dtype})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "dtype": str(bundle.dtype), "threads": threads, "steps": n, "batch": args.batch,
+            json.dump({"model": args.model, "dtype": str(bundle.dtype), "threads": threads, "steps": n,
+                       "batch": args.batch,
                        "rows_ms": rows, "step_ms_profiled": step_ms,
                        "step_ms_plain_median": statistics.median(plain) * 1e3,
                        "environment": environment(bundle.dtype_choice)}, f, indent=1)

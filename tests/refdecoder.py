@@ -4,7 +4,10 @@ It shares no code with skipkv's engine, store or scoring: one request at a time,
 `DynamicCache` that keeps every entry (so a cache index is a true position), a per-layer boolean mask
 [H, N] of evicted entries, and eager attention (fp64, keys repeated per query head) with that mask. The
 scores are rewritten from the reference repos' formulas (research notes §2 R-KV, §5 baselines; SnapKV's own
-code for `variant="paper"`; H2O's accumulated attention with the paper's recent/heavy split).
+code for `variant="paper"`; H2O's accumulated attention with the paper's recent/heavy split). Two policies
+leave the kv heads of a layer at different counts: `adakv` (SnapKV's scores, one top-k per layer over its
+heads, a per-head floor) and `given` (the kept positions spec["kept"][l][h] handed in, to check the engine's
+head-ragged attention for any selection); their events carry kept positions as [L][H] lists.
 
     from refdecoder import ref_generate
     tokens, events = ref_generate(bundle, prompt_ids, max_new_tokens=40, spec=dict(name="rkv", budget=24, ...))
@@ -153,9 +156,47 @@ def ref_scores(spec: dict, st: RefState, layer: int, h: int, kept: list[int], pr
     return [lam * imp[j] - (1 - lam) * red[j] for j in range(len(cand))][sink:]
 
 
-def ref_compress(spec: dict, st: RefState, processed: int, is_prefill: bool) -> torch.Tensor:
-    """Evict down to the budget in every layer and head; returns the kept positions [L, H, budget]."""
+def ref_adakv(spec: dict, st: RefState, processed: int) -> list[list[list[int]]]:
+    """Ada-KV: per layer, SnapKV's scores per head, each head keeps its sink, window and `floor` best candidates,
+    the rest of budget x H goes to the best candidates of any head (ties: lower head, older token). A layer
+    whose entries all fit keeps them. Returns the kept positions [L][H] (ascending)."""
     L, H = st.evicted.shape[:2]
+    budget, sink, w = spec["budget"], spec.get("sink", 0), spec["prefill_window"]
+    floor = w + sink + int(spec["floor_ratio"] * (budget - w - sink))
+    snap = dict(spec, name="snapkv")
+    out = []
+    for layer in range(L):
+        kept = [[p for p in range(processed) if not st.evicted[layer, h, p]] for h in range(H)]
+        if sum(len(k) for k in kept) <= budget * H:
+            out.append(kept)
+            continue
+        chosen, rest = [], []
+        for h in range(H):
+            n = len(kept[h])
+            scores = ref_scores(snap, st, layer, h, kept[h], processed, True)
+            middle = kept[h][sink:n - w]
+            ranked = sorted(range(len(middle)), key=lambda j: (-scores[j], j))
+            extra = max(floor - (n - len(middle)), 0)
+            chosen.append(set(kept[h][:sink]) | set(kept[h][n - w:]) | {middle[j] for j in ranked[:extra]})
+            rest += [(-scores[j], h, j, middle[j]) for j in ranked[extra:]]
+        for _, h, _, p in sorted(rest)[: budget * H - sum(len(c) for c in chosen)]:
+            chosen[h].add(p)
+        out.append([sorted(c) for c in chosen])
+    return out
+
+
+def ref_compress(spec: dict, st: RefState, processed: int, is_prefill: bool):
+    """Evict down to the budget in every layer and head; returns the kept positions [L, H, budget] (as [L][H]
+    lists for the head-ragged policies, `adakv` and `given`)."""
+    L, H = st.evicted.shape[:2]
+    if spec["name"] in ("adakv", "given"):
+        kept = ref_adakv(spec, st, processed) if spec["name"] == "adakv" else spec["kept"]
+        for layer in range(L):
+            for h in range(H):
+                keep = set(kept[layer][h])
+                for p in range(processed):
+                    st.evicted[layer, h, p] |= p not in keep
+        return kept
     budget, sink, w = spec["budget"], spec.get("sink", 0), kept_window(spec, is_prefill)
     out = torch.zeros(L, H, budget, dtype=torch.long)
     for layer in range(L):
@@ -198,8 +239,8 @@ def ref_generate(bundle, prompt_ids: list[int], max_new_tokens: int, spec: dict,
                           use_cache=True, ref_state=st)
         return model.lm_head(out.last_hidden_state[0, -1])
 
-    def held(processed: int) -> int:
-        return int((~st.evicted[0, 0, :processed]).sum())
+    def held(processed: int) -> int:  # the most any (layer, kv head) holds
+        return int((~st.evicted[..., :processed]).sum(dim=-1).max())
 
     previous = cfg._attn_implementation
     model.set_attn_implementation(REF_BACKEND)
@@ -211,7 +252,8 @@ def ref_generate(bundle, prompt_ids: list[int], max_new_tokens: int, spec: dict,
                 logits = forward(prompt_ids[c0:c1], c0)
                 if phase in ("prefill", "both") and held(c1) > budget:
                     kept = ref_compress(spec, st, c1, True)
-                    events.append((c1, True, kept, st.attn.gather(2, kept).clone()))
+                    ragged = not isinstance(kept, torch.Tensor)
+                    events.append((c1, True, kept, None if ragged else st.attn.gather(2, kept).clone()))
             tokens.append(int(logits.argmax()))
             while len(tokens) < max_new_tokens:
                 processed = P + len(tokens)

@@ -451,8 +451,8 @@ def test_layer_select_matches_per_layer_sort(seed):
         assert [g.tolist() for g in got] == want
 
 
-VARIANTS = [dict(scoring=s, allocation=a, kernel=k) for s in ("output", "attention") for a in ("model", "layer")
-            for k in (1, 7)]
+VARIANTS = [dict(scoring=s, allocation=a, kernel=k, granularity=g) for s in ("output", "attention")
+            for a in ("model", "layer") for k in (1, 7) for g in ("layer", "head")]
 
 
 @pytest.fixture(scope="module")
@@ -477,16 +477,36 @@ def ablation_kept(sharp):
             scale = layer.self_attn.scaling
             raw["output"].append(ref_scores(q, k, v, layer.self_attn.o_proj.weight, "sum", scale)[0].tolist())
             raw["attention"].append(ref_attention_scores(q, k, scale)[0].tolist())
+        H = sharp.model.config.num_key_value_heads
+        G = sharp.model.config.num_attention_heads // H
+        D = full.store.head_dim
+        head_raw: dict = {"output": [], "attention": []}  # per (layer, kv head): its query heads only
+        for l, layer in enumerate(layers):
+            q = full.queries.recent(l, torch.tensor([0]), window)[0][None]
+            scale, W = layer.self_attn.scaling, layer.self_attn.o_proj.weight
+            for h in range(H):
+                qh, k, v = q[:, h * G:(h + 1) * G], full.store.k[l][:1, h:h + 1, :P], full.store.v[l][:1, h:h + 1, :P]
+                Wh = W[:, h * G * D:(h + 1) * G * D]
+                head_raw["output"].append(ref_scores(qh, k, v, Wh, "sum", scale)[0].tolist())
+                head_raw["attention"].append(ref_attention_scores(qh, k, scale)[0].tolist())
         out = {}
         for knobs in VARIANTS:
             policy = make_policy("laprox", budget_ratio=ratio, prefill_window=window, sink=sink, **knobs)
             runner = ModelRunner(sharp, policy, num_slots=1)
             runner.prefill(make_requests(sharp, [ids], SamplingParams(max_new_tokens=1), policy))
-            got = [runner.store.pos[l][0, 0, : int(runner.store.lengths[l, 0])].tolist() for l in range(len(layers))]
-            cand = [ref_candidates(s, sink, window, knobs["kernel"], "zscore") for s in raw[knobs["scoring"]]]
+            store = runner.store
+            # what every (layer, kv head) holds, layer-major, whatever the store's layout
+            got = [store.pos[u][0, h, : int(store.lengths[u, 0])].tolist()
+                   for l in range(len(layers)) for u, h in
+                   (((l * H + hh, 0) if store.head_split else (l, hh)) for hh in range(H))]
             per_layer = round(ratio * P)
+            units = 1 if knobs["granularity"] == "layer" else H  # selection units per layer
+            raw_s = raw[knobs["scoring"]] if units == 1 else head_raw[knobs["scoring"]]
+            cand = [ref_candidates(s, sink, window, knobs["kernel"], "zscore") for s in raw_s]
             want = (ref_layer_select(cand, per_layer, sink, window) if knobs["allocation"] == "layer"
-                    else ref_select(cand, per_layer * len(layers), sink, window, 0))
+                    else ref_select(cand, per_layer * len(cand), sink, window, 0))
+            if units == 1:  # every kv head of a layer keeps the layer's choice
+                want = [k for k in want for _ in range(H)]
             out[tuple(knobs.values())] = (got, want)
     return out
 
@@ -497,12 +517,16 @@ def test_each_ablation_variant_keeps_what_the_naive_pipeline_keeps(ablation_kept
     assert got == want
     if knobs["allocation"] == "layer":
         assert len({len(k) for k in got}) == 1, "uniform allocation: every layer keeps the same count"
+    elif knobs["granularity"] == "head":
+        H = 2  # the sharp model's kv heads
+        assert any(len({len(k) for k in got[l:l + H]}) > 1 for l in range(0, len(got), H)), \
+            "head granularity: the heads of a layer keep different counts"
 
 
 def test_every_ablation_knob_changes_what_is_kept(ablation_kept):
     # On the sharp model each axis, flipped alone, keeps a different set: a knob that were ignored would fail.
     for key in ablation_kept:
-        for axis, other in enumerate((("output", "attention"), ("model", "layer"), (1, 7))):
+        for axis, other in enumerate((("output", "attention"), ("model", "layer"), (1, 7), ("layer", "head"))):
             flipped = list(key)
             flipped[axis] = other[1 - other.index(key[axis])]
             assert ablation_kept[key][0] != ablation_kept[tuple(flipped)][0], (key, axis)

@@ -42,6 +42,8 @@ SPECS = {
     # `budget` is unused under a ratio; set small so that planning from it (the B1 mutant) shows at these sizes.
     "laprox-ratio": ("laprox", dict(budget_ratio=0.5, budget=9, prefill_window=4)),
     "laprox-layer": ("laprox", dict(budget_ratio=0.5, budget=9, prefill_window=4, allocation="layer")),
+    "laprox-head": ("laprox", dict(budget_ratio=0.5, budget=9, prefill_window=4, granularity="head")),
+    "adakv": ("adakv", dict(budget=10, prefill_window=4)),
     "pyramidkv": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, interval=4, phase="both")),
     "pyramidkv-prefill": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, phase="prefill")),
     "pyramidkv-decode": ("pyramidkv", dict(budget=16, window=2, interval=4, phase="decode")),
@@ -94,12 +96,13 @@ def alone_bytes(bundle, policy, mix, chunk: int) -> int:
     from skipkv.engine.memory import KVMemory, plan
 
     with Engine(bundle, policy) as eng:
-        memory = KVMemory(eng.runner.store.num_layers, eng.runner.store.bytes_per_entry, chunk)
+        store = eng.runner.store
+        memory = KVMemory(store.num_layers, store.bytes_per_entry, chunk, heads=store.split)
     out = 0
     for i, (ids, n, budget, _) in enumerate(mix):
         r = new_request(bundle, ids, SamplingParams(max_new_tokens=n, ignore_eos=True), policy, i, eos_ids(bundle),
                         "x", budget)
-        out = max(out, memory.store_bytes(1, plan(r, memory.num_layers, chunk).alone))
+        out = max(out, memory.store_bytes(1, plan(r, memory.num_layers, chunk, memory.heads).alone))
     return out
 
 

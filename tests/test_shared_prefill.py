@@ -18,10 +18,10 @@ from skipkv.policies import parse_policy_spec
 # Prefill-only and decode-time compressors, per-layer and model-wide, pooled and not.
 SPECS = ["full", "streaming_llm:phase=prefill", "snapkv:phase=prefill", "pyramidkv:phase=prefill", "rkv",
          "snapkv", "laprox", "laprox:kernel=7,normalize=sum", "laprox:norm=frobenius,prefill_window=16",
-         "h2o:phase=prefill", "h2o", "h2o:variant=last_query"]
+         "h2o:phase=prefill", "h2o", "h2o:variant=last_query", "laprox:granularity=head", "adakv"]
 FIELDS = ("token_ids", "text", "finish_reason", "prompt_tokens", "generated_tokens", "peak_kv_tokens",
           "peak_kv_bytes", "decode_peak_kv_tokens", "decode_peak_kv_bytes", "compressions", "layer_kv_tokens",
-          "allocated_kv_bytes", "peak_total_bytes", "extra")
+          "head_kv_tokens", "allocated_kv_bytes", "peak_total_bytes", "extra")
 
 
 def policies(budget: int):
@@ -44,6 +44,8 @@ def test_each_branch_equals_that_policys_own_run(dtype):
     assert by["full"].layer_kv_tokens == [269] * 2 and by["rkv"].compressions > 1  # both kinds really ran
     assert by["h2o"].compressions > 1 and by["h2o"].text != by["h2o:phase=prefill"].text
     assert len(set(by["laprox"].layer_kv_tokens)) > 1  # model-wide: layers of different lengths
+    for spec in ("laprox:granularity=head", "adakv"):  # head-split: the heads of a layer differ
+        assert any(len(set(layer)) > 1 for layer in by[spec].head_kv_tokens), spec
     assert len({r.text for r in got}) > 1  # the policies did not all keep the same thing
 
 

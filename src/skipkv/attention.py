@@ -5,6 +5,8 @@ views of the request slots. We build the mask from each slot's own length (paddi
 attention with GQA (no repeated keys are materialised), and let policies observe what they declared:
 recent queries (`QueryBuffer`) and accumulated attention (store aux "attn", for H2O). A fresh prefill runs
 torch's causal SDPA; every other forward (decode steps, later prefill chunks) runs grouped attention here.
+With a head-split store (cache/store.py) every kv head has its own length: each kv head attends with its group
+of query heads over its own unit, masked by that unit's lengths (`_head_split_attention`).
 
     with attention_backend(model): model.model(..., cache=slot_cache, skipkv_ctx=ctx)
 """
@@ -119,16 +121,21 @@ class StepContext:
     _masks: dict = field(default_factory=dict)
     _rows: list | None = None
 
+    def rows(self) -> list:
+        """Each store layer's (unit's, if head-split) lengths of this forward's rows before it, as tuples."""
+        if self._rows is None:  # once per forward: hashable, so that masks are shared between layers
+            lengths = self.store.lengths[:, self.start:self.start + len(self.real)]
+            self._rows = [tuple(row) for row in lengths.tolist()]
+        return self._rows
+
     def mask(self, layer: int, T: int, K: int, device: torch.device) -> torch.Tensor | None:
         """[B, 1, T, K] bool: key j is visible to query i of row b iff j <= len_b + i (len before this forward);
         None when every key is visible to every query (a decode step whose rows all hold K - 1 entries).
+        `layer` indexes the store's layers (units, if head-split).
 
         Built once per forward and shared by every layer holding the same lengths (all of them, unless a
         model-wide policy gave layers different lengths)."""
-        if self._rows is None:  # once per forward: each layer's lengths, as hashable tuples
-            lengths = self.store.lengths[:, self.start:self.start + len(self.real)]
-            self._rows = [tuple(row) for row in lengths.tolist()]
-        key = (K, self._rows[layer])
+        key = (K, self.rows()[layer])
         if key not in self._masks and T == 1 and min(key[1]) + 1 == K:
             self._masks[key] = None  # one query per row, every row at the same length: every key is visible
         elif key not in self._masks:
@@ -145,6 +152,8 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     H, K = key.shape[1], key.shape[2]
     if ctx.queries is not None:
         ctx.queries.write(layer, ctx.start, query, ctx.positions, ctx.real)
+    if ctx.store.head_split:
+        return _head_split_attention(ctx, layer, query, key, value, scaling)
     if T == K:
         # A fresh prefill (every slot was empty): plain causal attention is exact for the real tokens of
         # right-padded rows, and needs no [B, 1, T, K] mask, so SDPA can take its fused, O(T)-memory path.
@@ -184,6 +193,46 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
     out = torch.matmul(probs.view(B, H, G * T, K), value.float()).view(B, Hq, T, D).to(value.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, scaling: float | None) -> tuple[torch.Tensor, None]:
+    """Attention over a head-split store: kv head h of `layer` (unit u = layer*H + h, its own length per row)
+    with its G query heads. query [B, Hq, T, D]; key/value [B, H, T, D] are this forward's new entries only
+    (SlotCache.update wrote them into the units). Returns ([B, T, Hq, D], None). The same arithmetic as the
+    uniform path, one kv head at a time: fused SDPA where every key is visible and the uniform path would take it
+    (fp64, or 16-bit where hardware.decode_sdpa says it is faster), else the grouped fp32 matmul with the unit's
+    mask."""
+    if ctx.accumulate:
+        raise RuntimeError("accumulated attention (store aux 'attn') is not kept in a head-split store")
+    B, Hq, T, D = query.shape
+    H = key.shape[1]
+    G = Hq // H
+    rows = ctx.rows()
+    units = range(layer * H, (layer + 1) * H)
+    if all(max(rows[u]) == 0 for u in units):
+        # A fresh prefill: every unit of every row was empty, so this is the uniform path's causal SDPA.
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=H != Hq)
+        return out.transpose(1, 2).contiguous(), None
+    store, s0 = ctx.store, ctx.start
+    scale = scaling if scaling is not None else D**-0.5
+    fused = query.dtype == torch.float64 or (query.dtype != torch.float32 and decode_sdpa(query.device)[0])
+    outs = []
+    for h, u in enumerate(units):
+        K = max(rows[u]) + T
+        k, v = store.k[u][s0:s0 + B, :, :K], store.v[u][s0:s0 + B, :, :K]  # [B, 1, K, D]
+        q = query[:, h * G:(h + 1) * G]  # [B, G, T, D]: the query heads that read kv head h
+        mask = ctx.mask(u, T, K, query.device)
+        if mask is None and fused:
+            outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=G > 1))
+            continue
+        logits = (torch.matmul(q.reshape(B, 1, G * T, D).float(), k.float().transpose(-1, -2)) * scale)
+        logits = logits.view(B, 1, G, T, K)
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        outs.append(torch.matmul(probs.view(B, 1, G * T, K), v.float()).view(B, G, T, D).to(v.dtype))
+    return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 
 ACCUMULATE_BLOCK_BYTES = 1 << 28  # fp32 logits of one query block in _accumulate_causal (256 MiB)

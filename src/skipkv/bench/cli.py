@@ -28,10 +28,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from skipkv.bench.decode import DecodeBenchConfig, run_bench
 
     # Everything is checked here (policies, knobs, lengths, --out) before the model loads.
-    cfg = DecodeBenchConfig(model=args.model, policies=tuple(p for p in args.policies.split(",") if p),
+    sep = ";" if ";" in args.policies else ","  # specs with knobs (name:k=v,k=v) are separated by ";"
+    cfg = DecodeBenchConfig(model=args.model, policies=tuple(p.strip() for p in args.policies.split(sep) if p.strip()),
                             lengths=_ints(args.lengths), budget=args.budget, interval=args.interval,
                             window=args.window, batch_size=args.batch_size, dtype=args.dtype, span=args.span,
-                            out=args.out)
+                            prompt_tokens=args.prompt_tokens, out=args.out)
     run_bench(cfg)
     return 0
 
@@ -127,6 +128,8 @@ def register(sub) -> None:
     d.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     d.add_argument("--span", type=int, default=64, help="steps before each length whose median is reported")
+    d.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prompt length in tokens (0: a short question; longer: the question repeated)")
     d.add_argument("--out", help="write the JSON report here")
     d.set_defaults(func=cmd_decode)
     f = bsub.add_parser("fidelity", help="per-layer cosine of the attention output of queries the policies did not "

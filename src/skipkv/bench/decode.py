@@ -8,6 +8,12 @@ policies in lockstep (one decode step of each in turn). The
 step time at length L is the median of the steps in (L - span, L] that did not compress (so it is the cost of
 attention over the cache actually held); compression time is reported apart, as a share of decode time.
 Ratios between policies come from the same run and the same moments, since this machine is shared and noisy.
+A policy may carry knobs (`laprox:granularity=head,budget_ratio=0.5`; separate such specs with ";"), and
+`--prompt-tokens N` replaces the short built-in question by an N-token prompt (the question repeated), for
+prefill-compressing policies. Head-ragged vs uniform at equal kept tokens (docs/benchmarks.md):
+
+    skipkv bench decode --model qwen2.5-coder-0.5b-instruct --threads 1 --prompt-tokens 2048 --lengths 64,128 \
+        --policies "laprox:budget_ratio=0.25;laprox:budget_ratio=0.25,granularity=head"
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
 from skipkv.outputs import check_file, write_atomic
 
+QUESTION = "Solve step by step: a train leaves at noon at 60 km/h; when has it covered 150 km?"
+
 
 @dataclass
 class PolicyRun:
@@ -43,11 +51,11 @@ class PolicyRun:
 class _Lane:
     """One policy's requests and runner, stepped in lockstep with the other policies' lanes."""
 
-    def __init__(self, bundle, policy, prompt: str, total: int, batch_size: int) -> None:
+    def __init__(self, bundle, label: str, policy, prompt: str | list[int], total: int, batch_size: int) -> None:
         sp = SamplingParams(max_new_tokens=total, ignore_eos=True)
         self.reqs = make_requests(bundle, [prompt] * batch_size, sp, policy)
         self.runner = ModelRunner(bundle, policy, num_slots=batch_size)
-        self.run = PolicyRun(policy=type(policy).__name__)
+        self.run = PolicyRun(policy=label)
         self.times: list[float] = []
         self.compressed: list[bool] = []
         self.held: list[int] = []
@@ -62,7 +70,9 @@ class _Lane:
         toks = self.runner.decode()
         self.times.append(time.perf_counter() - t0)
         self.compressed.append(self.reqs[0].compressions > before)
-        self.held.append(int(self.runner.store.lengths[0, 0]))
+        # entries per kv head, the mean over layers and heads (layers and heads may keep different counts)
+        store = self.runner.store
+        self.held.append(round(float(store.lengths[:, 0].sum()) / store.num_layers))
         for r, t in zip(self.runner.running, toks):
             r.output_ids.append(t)
 
@@ -84,12 +94,13 @@ class _Lane:
         return run
 
 
-def bench_policies(bundle, policies: list, prompt: str, lengths: list[int], batch_size: int,
-                   span: int) -> list[PolicyRun]:
+def bench_policies(bundle, policies: list, prompt: str | list[int], lengths: list[int], batch_size: int,
+                   span: int, labels: list[str] | None = None) -> list[PolicyRun]:
     """Decode every policy's requests in lockstep (one step of each in turn), so that load from elsewhere on a
     shared machine hits all policies alike and their ratios stay meaningful."""
     total = max(lengths)
-    lanes = [_Lane(bundle, p, prompt, total, batch_size) for p in policies]
+    labels = labels or [type(p).__name__ for p in policies]
+    lanes = [_Lane(bundle, n, p, prompt, total, batch_size) for n, p in zip(labels, policies)]
     with attention_backend(bundle.model), torch.inference_mode():
         for lane in lanes:
             lane.prefill()
@@ -125,6 +136,7 @@ class DecodeBenchConfig:
     batch_size: int = knob(1, "requests decoded together (each one materialised)", gt=0, le=4096)
     dtype: str = "auto"
     span: int = knob(64, "steps before each length whose median is reported", gt=0)
+    prompt_tokens: int = knob(0, "prompt length in tokens (0: the short built-in question)", ge=0)
     out: str | None = knob(None, "JSON report path", kind=str)
 
     def __post_init__(self) -> None:
@@ -141,10 +153,13 @@ class DecodeBenchConfig:
             check_file(self.out, "--out")
 
     def make_policies(self) -> list:
-        from skipkv.policies import make_policy
+        """One policy per spec (`name` or `name:knob=value,...`); the shared budget/interval/window apply unless
+        the spec sets them."""
+        from skipkv.policies import make_policy, parse_policy_spec
 
         return [make_policy(n) if n == "full" else
-                make_policy(n, budget=self.budget, interval=self.interval, window=self.window) for n in self.policies]
+                parse_policy_spec(n, budget=self.budget, interval=self.interval, window=self.window)[1]
+                for n in self.policies]
 
 
 def run_bench(cfg: DecodeBenchConfig) -> dict:
@@ -155,13 +170,17 @@ def run_bench(cfg: DecodeBenchConfig) -> dict:
     made = cfg.make_policies()
     bundle = load_model(cfg.model, dtype=cfg.dtype)
     lengths = list(cfg.lengths)
-    prompt = "Solve step by step: a train leaves at noon at 60 km/h; when has it covered 150 km?"
-    runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span)
+    prompt: str | list[int] = QUESTION
+    if cfg.prompt_tokens:
+        ids = bundle.tokenizer(QUESTION + " ", add_special_tokens=False)["input_ids"]
+        prompt = (ids * (cfg.prompt_tokens // len(ids) + 1))[:cfg.prompt_tokens]
+    runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span, list(cfg.policies))
     table = format_table(runs, lengths)
     print(table)
     report = {"model": cfg.model, "dtype": str(bundle.dtype).removeprefix("torch."), "batch_size": cfg.batch_size,
               "budget": cfg.budget,
               "interval": cfg.interval, "window": cfg.window, "lengths": lengths, "span": cfg.span,
+              "prompt_tokens": cfg.prompt_tokens,
               "machine": environment(bundle.dtype_choice), "runs": [r.__dict__ for r in runs], "table": table}
     if cfg.out:
         out = check_file(cfg.out, "--out")  # again: the place may have changed while the benchmark ran

@@ -234,6 +234,9 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
         raise SkipKVError(f"unknown query mode {queries!r}; choose from {', '.join(QUERY_MODES)}")
     if steps <= 0:
         raise SkipKVError(f"--steps must be positive, got {steps}")
+    for p in policies:  # the per-layer comparison below reads a uniform store (every kv head of a layer alike)
+        if parse_policy_spec(p, budget=1 << 20)[1].head_split:
+            raise SkipKVError(f"bench fidelity does not compare head-split policies yet ({p})")
     ds = get_dataset(dataset)
     if not getattr(ds, "long_context", False):
         raise SkipKVError(f"bench fidelity runs on long-context sets (niah, ...); {dataset} is not one")

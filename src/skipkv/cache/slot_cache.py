@@ -2,7 +2,9 @@
 
 The model calls `cache.update(k, v, layer_idx)` with post-RoPE keys; we append them to the slot store at each
 request's own length and hand back views of the slots. The per-forward context (which slots, true positions)
-is set by the engine before every forward.
+is set by the engine before every forward. A head-split store (store.py) gets each kv head written into its
+own unit at that head's own length; the attention backend then reads the units itself (attention.py), so
+`update` hands back the new keys and values only.
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ class SlotCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         assert self.positions is not None, "SlotCache.bind() must be called before a forward"
-        return self.store.append(layer_idx, self.start, key_states, value_states, self.positions)
+        store = self.store
+        if store.head_split:
+            H = store.split
+            for h in range(H):
+                store.append(layer_idx * H + h, self.start, key_states[:, h:h + 1], value_states[:, h:h + 1],
+                             self.positions)
+            return key_states, value_states
+        return store.append(layer_idx, self.start, key_states, value_states, self.positions)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.store.lengths[layer_idx].max())
+        s = self.store.split
+        return int(self.store.lengths[layer_idx * s:(layer_idx + 1) * s].max())
 
     def __len__(self) -> int:
-        return self.store.num_layers
+        return self.store.model_layers

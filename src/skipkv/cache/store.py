@@ -7,6 +7,16 @@ policy that leaves layers at different lengths (LaProx, PyramidKV) really alloca
     aux[name][l]     [S, H, C_l]      float32 per-entry accumulators that move with their entry (H2O's attention sum)
     lengths          [L, S]           int64 valid entries per slot and layer (the same for every head)
 
+Head-split mode (`head_split=True`, for policies whose kv heads of one layer keep different counts: LaProx at
+`granularity=head`, Ada-KV): every (model layer l, kv head h) becomes its own store layer ("unit") u = l*H + h
+with ONE kv head, so `num_layers` is L*H, `num_kv_heads` is 1, `lengths` is [L*H, S] and each unit has its own
+capacity C_u. Everything per layer above (capacities, `reshape`, `compact`, byte counts) then holds per head, so
+a head that keeps fewer entries really allocates fewer bytes: no padding to a layer-wide length. The price is
+H separate buffers per layer, so attention runs per kv head (attention.py) instead of one grouped call; the
+uniform mode keeps its layout and code path. `model_layers`/`model_kv_heads` keep the model's L and H, and
+`split` is the number of units per model layer (H in head-split mode, 1 otherwise). Chosen over one buffer
+per layer with per-head lengths, which would have to allocate every head to the longest one's capacity.
+
 Running requests always occupy slots [0, n) so that a forward over them reads plain views, never copies;
 `move` fills a hole left by a finished request. Bytes are counted from what is allocated and from what each
 request holds: `allocated_bytes`/`held_bytes`/`bytes_per_entry` count K/V only (what papers report);
@@ -37,7 +47,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class KVStore:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", aux: tuple[str, ...] = ()) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", aux: tuple[str, ...] = (),
+                 head_split: bool = False) -> None:
+        """`num_layers`, `num_kv_heads`: the model's; with `head_split` the store holds num_layers x num_kv_heads
+        units of one kv head each (module docstring)."""
+        self.model_layers, self.model_kv_heads, self.head_split = num_layers, num_kv_heads, head_split
+        self.split = num_kv_heads if head_split else 1
+        if head_split:
+            num_layers, num_kv_heads = num_layers * num_kv_heads, 1
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -65,6 +82,31 @@ class KVStore:
             return copy.deepcopy(self)
         finally:
             self.aux, self.aux_names = mine
+
+    def split_heads(self) -> KVStore:
+        """A head-split copy of this uniform store (same slots, entries and accumulators; each unit's capacity
+        its layer's): how a head-split policy continues from a prefill run with the uniform layout."""
+        if self.head_split:
+            raise ValueError("the store is head-split already")
+        out = KVStore(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim, 0, self.dtype, self.device,
+                      aux=self.aux_names, head_split=True)
+        out._allocate([c for c in self.capacities for _ in range(self.num_kv_heads)])
+        for l in range(self.num_layers):
+            for h in range(self.num_kv_heads):
+                u = l * self.num_kv_heads + h
+                out.k[u].copy_(self.k[l][:, h:h + 1])
+                out.v[u].copy_(self.v[l][:, h:h + 1])
+                out.pos[u].copy_(self.pos[l][:, h:h + 1])
+                for n in self.aux_names:
+                    out.aux[n][u].copy_(self.aux[n][l][:, h:h + 1])
+                out.lengths[u] = self.lengths[l]
+        return out
+
+    def head_lengths(self, slot: int) -> list[list[int]]:
+        """Entries `slot` holds per model layer and kv head, [L][H] (every head of a layer alike unless
+        head-split)."""
+        held = self.lengths[:, slot].view(self.model_layers, self.split).tolist()
+        return [row * self.model_kv_heads if self.split == 1 else row for row in held]
 
     # ----------------------------------------------------------------------------------------- memory
     def _buf(self, capacity: int) -> torch.Tensor:
@@ -143,7 +185,7 @@ class KVStore:
 
     @property
     def bytes_per_entry(self) -> int:
-        """K/V bytes of one cached token in one layer, over all kv heads."""
+        """K/V bytes of one cached token in one layer, over all kv heads (one unit, i.e. one head, if head-split)."""
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     @property

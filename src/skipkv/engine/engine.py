@@ -95,6 +95,7 @@ def make_result(tokenizer, r: Request, now: float) -> RequestResult:
                          tpot_p50_seconds=percentile(gaps, 0.5) if gaps else None,
                          tpot_p99_seconds=percentile(gaps, 0.99) if gaps else None,
                          peak_total_bytes=r.peak_total_bytes, layer_kv_tokens=list(r.layer_kv_tokens),
+                         head_kv_tokens=[list(h) for h in r.head_kv_tokens],
                          allocated_kv_bytes=r.allocated_kv_bytes, extra=dict(r.policy.stats(r.state)),
                          forced_waits=r.forced)
 

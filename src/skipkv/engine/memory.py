@@ -11,6 +11,9 @@ What a request may hold comes from its policy, never from a default knob:
   prompt is in (decode growth and `budget + interval` included);
 - `Policy.prefill_keep(L, prompt_len, prefix_len)`: the most each layer keeps after a prefill compression
   (run when `Policy.should_compress` says so), which bounds prompt staging under chunked prefill.
+With a head-split store (policies whose kv heads keep different counts) every "layer" here is one
+(layer, kv head) unit of the store, and the policy answers per unit (`Policy.head_capacity`,
+`Policy.head_prefill_keep`); `heads` is then H, the units per model layer.
 `plan` turns these into a request's `Plan` once (the entries each layer holds before every prompt chunk, as
 ModelRunner.prefill_step stages them: rows padded to the group's longest prompt, each chunk staged whole).
 
@@ -40,7 +43,20 @@ def chunk_width(chunk: int, longest: int) -> int:
     return chunk if 0 < chunk < longest else longest
 
 
-def trajectory(r: Request, num_layers: int, chunk: int) -> torch.Tensor:
+def _layer_capacity(r: Request, num_layers: int, heads: int) -> list[int]:
+    P, M = r.prompt_len, r.sampling.max_new_tokens
+    if heads == 1:
+        return r.policy.layer_capacity(num_layers, P, M)
+    return r.policy.head_capacity(num_layers // heads, heads, P, M)
+
+
+def _prefill_keep(r: Request, num_layers: int, heads: int, prefix_len: int) -> list[int]:
+    if heads == 1:
+        return r.policy.prefill_keep(num_layers, r.prompt_len, prefix_len)
+    return r.policy.head_prefill_keep(num_layers // heads, heads, r.prompt_len, prefix_len)
+
+
+def trajectory(r: Request, num_layers: int, chunk: int, heads: int = 1) -> torch.Tensor:
     """Entries each layer of `r` holds (at most) before each of its prompt chunks and after the last, [K + 1, L].
     Follows ModelRunner.prefill_step: a chunk is appended to every layer, then the policy compresses when
     `should_compress` (on the longest layer) says so, leaving each layer at most `prefill_keep`."""
@@ -52,16 +68,17 @@ def trajectory(r: Request, num_layers: int, chunk: int) -> torch.Tensor:
         c1 = min(c0 + w, P)
         held = [h + c1 - c0 for h in held]
         if policy.should_compress(max(held), True, r.state):
-            held = [min(h, k) for h, k in zip(held, policy.prefill_keep(num_layers, P, c1))]
+            held = [min(h, k) for h, k in zip(held, _prefill_keep(r, num_layers, heads, c1))]
         rows.append(list(held))
     return torch.tensor(rows, dtype=torch.long)
 
 
-def plan(r: Request, num_layers: int, chunk: int) -> Plan:
-    """`r`'s Plan under prefill chunks of `chunk` tokens (0 = whole prompts)."""
+def plan(r: Request, num_layers: int, chunk: int, heads: int = 1) -> Plan:
+    """`r`'s Plan under prefill chunks of `chunk` tokens (0 = whole prompts); `num_layers` store layers, `heads`
+    of them per model layer (head-split: H, else 1)."""
     M = r.sampling.max_new_tokens
-    capacity = torch.tensor(r.policy.layer_capacity(num_layers, r.prompt_len, M), dtype=torch.long)
-    held = trajectory(r, num_layers, chunk)
+    capacity = torch.tensor(_layer_capacity(r, num_layers, heads), dtype=torch.long)
+    held = trajectory(r, num_layers, chunk, heads)
     final = held[-1]
     # Right after prefill the first token is sampled but not yet cached: M - 1 entries may still be appended.
     after = torch.maximum(final, torch.minimum(capacity, final + M - 1))
@@ -116,15 +133,17 @@ def group_bound(group: Sequence[Request], chunk: int) -> torch.Tensor:
 
 class KVMemory:
     """The engine's KV memory: plans requests, sizes the store, admits under `cap` bytes (0 = no cap).
-    `entry_bytes`: K/V bytes of one entry in one layer (all kv heads)."""
+    `num_layers`: the store's layers (units, if head-split, `heads` per model layer); `entry_bytes`: K/V bytes
+    of one entry in one of them."""
 
-    def __init__(self, num_layers: int, entry_bytes: int, chunk: int = 0, cap: int = 0) -> None:
+    def __init__(self, num_layers: int, entry_bytes: int, chunk: int = 0, cap: int = 0, heads: int = 1) -> None:
         self.num_layers, self.entry_bytes, self.chunk, self.cap = num_layers, entry_bytes, chunk, cap
+        self.heads = heads
 
     def plan(self, r: Request) -> Plan:
         """Attach (once) and return `r`'s Plan."""
         if r.plan is None:
-            r.plan = plan(r, self.num_layers, self.chunk)
+            r.plan = plan(r, self.num_layers, self.chunk, self.heads)
         return r.plan
 
     def store_bytes(self, slots: int, caps: torch.Tensor | Sequence[int]) -> int:

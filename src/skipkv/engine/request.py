@@ -92,6 +92,9 @@ class RequestResult:
     peak_total_bytes: int = 0
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
+    # Entries each (layer, kv head) holds at the end, [L][H]: the heads of a layer differ only under head-split
+    # policies (LaProx granularity head, Ada-KV), where layer_kv_tokens is each layer's mean over its heads.
+    head_kv_tokens: list[list[int]] = field(default_factory=list)
     trace: dict | None = None  # generate(..., trace=True): retention per compression (engine/trace.py)
     request_id: str = ""
     queued_seconds: float = 0.0  # from add_request to admission (waiting for a slot / KV memory)
@@ -134,6 +137,7 @@ class Request:
     peak_total_bytes: int = 0
     layer_kv_tokens: list[int] = field(default_factory=list)
     allocated_kv_bytes: int = 0
+    head_kv_tokens: list[list[int]] = field(default_factory=list)
     trace: Any = None  # RequestTrace, created at the first compression when tracing
     request_id: str = ""
     plan: Plan | None = None  # its memory bounds per layer (engine/memory.py), set when it is queued

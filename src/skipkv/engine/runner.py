@@ -10,6 +10,10 @@ engine/memory.py says the live requests need (`fit`); admission there keeps it w
 Host syncs: lengths live on the host, small index tensors go to the device through pinned memory
 (`to_device`), so a decode step that does not compress syncs once, when sampling reads the tokens.
 A compression step reads a few device values (the queries buffered, the policy's selection).
+
+Head-split policies (`Policy.head_split`) get a head-split store (cache/store.py): every loop over the store's
+layers below then runs over (layer, kv head) units, and `_observe` maps a unit back to its model layer, its
+query heads and its attention module.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from skipkv.engine.memory import KVMemory, chunk_width, running_need
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
 from skipkv.engine.trace import RequestTrace, token_texts
+from skipkv.errors import SkipKVError
 from skipkv.policies.base import Observation, Policy
 from skipkv.steering.hook import ResidualAdd
 
@@ -47,12 +52,16 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         needs = policy.requirements()
         self.need_hidden = "hidden" in needs
+        if policy.head_split and "attn" in needs:
+            raise SkipKVError(f"policy {type(policy).__name__}: a head-split store keeps no accumulated attention")
         self.store = KVStore(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, self.head_dim, 0,
-                             bundle.dtype, bundle.device, aux=("attn",) if "attn" in needs else ())
+                             bundle.dtype, bundle.device, aux=("attn",) if "attn" in needs else (),
+                             head_split=policy.head_split)
         self.queries = (QueryBuffer(cfg.num_hidden_layers, num_slots, cfg.num_attention_heads, policy.query_window,
                                     self.head_dim, bundle.dtype, bundle.device) if "queries" in needs else None)
         self.cache = SlotCache(self.store)
-        self.memory = KVMemory(cfg.num_hidden_layers, self.store.bytes_per_entry, prefill_chunk, kv_memory)
+        self.memory = KVMemory(self.store.num_layers, self.store.bytes_per_entry, prefill_chunk, kv_memory,
+                               heads=self.store.split)
         self.layers = bundle.model.model.layers
         self.running: list[Request] = []  # decoding, slots [0, n)
         self.cohort: list[Request] = []  # prefilling, slots [cohort_start, cohort_start + k)
@@ -294,35 +303,46 @@ class ModelRunner:
 
     def _record_trace(self, rows: list[tuple[int, Request]]) -> None:
         """Tracing only: note what each row holds right after its compression (before the count moves)."""
+        store = self.store
         for s, r in rows:
             if r.trace is None:
-                r.trace = RequestTrace(self.store.num_layers, self.store.num_kv_heads,
+                r.trace = RequestTrace(store.model_layers, store.model_kv_heads,
                                        r.prompt_len + r.sampling.max_new_tokens)
-            lengths = self.store.lengths[:, s]
-            # Layers may hold different lengths (and capacities): pad each layer's positions to the longest.
-            pos = torch.full((self.store.num_layers, self.store.num_kv_heads, int(lengths.max())), -1,
-                             dtype=torch.int32, device=self.store.device)
-            for l, p in enumerate(self.store.pos):
+            lengths = store.lengths[:, s]
+            # Layers (units) may hold different lengths (and capacities): pad each one's positions to the longest.
+            pos = torch.full((store.num_layers, store.num_kv_heads, int(lengths.max())), -1,
+                             dtype=torch.int32, device=store.device)
+            for l, p in enumerate(store.pos):
                 pos[l, :, : int(lengths[l])] = p[s, :, : int(lengths[l])]
+            if store.head_split:  # units -> [L, H, C]; a padded entry (-1) is never counted as kept
+                pos = pos.view(store.model_layers, store.split, -1)
+                lengths = lengths.view(store.model_layers, store.split).amax(dim=1)
             r.trace.record(pos, lengths, len(r.output_ids), r.policy.trace_state(r.state))
 
     def trace_result(self, r: Request) -> dict:
         """Tracing only: the finished request's JSON-able trace (token texts, compressions, final policy state)."""
-        t = r.trace or RequestTrace(self.store.num_layers, self.store.num_kv_heads, r.prompt_len + len(r.output_ids))
+        t = r.trace or RequestTrace(self.store.model_layers, self.store.model_kv_heads,
+                                    r.prompt_len + len(r.output_ids))
         return t.to_json(token_texts(self.tokenizer, r.prompt_ids), token_texts(self.tokenizer, r.output_ids),
                          r.policy.trace_state(r.state))
 
     def _observe(self, policy: Policy, layer: int, slots: torch.Tensor, n: int, is_prefill: bool,
                  states: list) -> Observation:
+        """Store layer `layer` (a (model layer, kv head) unit if head-split) of `slots`, its first n entries."""
+        store = self.store
+        model_layer, kv_head = divmod(layer, store.split) if store.head_split else (layer, None)
         queries = None
         if self.queries is not None:
             seen = int((self.queries.qpos[slots] >= 0).sum(dim=-1).min())
-            queries = self.queries.recent(layer, slots, min(policy.query_window, seen))
-        attn = self.store.aux["attn"][layer][slots, :, :n] if "attn" in self.store.aux else None
-        return Observation(layer=layer, keys=self.store.k[layer][slots, :, :n],
-                           values=self.store.v[layer][slots, :, :n],
-                           positions=self.store.pos[layer][slots, :, :n], queries=queries, attn=attn,
-                           module=self.layers[layer].self_attn, is_prefill=is_prefill, states=states)
+            queries = self.queries.recent(model_layer, slots, min(policy.query_window, seen))
+            if kv_head is not None:  # the query heads that read this kv head
+                G = queries.shape[1] // store.split
+                queries = queries[:, kv_head * G:(kv_head + 1) * G]
+        attn = store.aux["attn"][layer][slots, :, :n] if "attn" in store.aux else None
+        return Observation(layer=model_layer, keys=store.k[layer][slots, :, :n], values=store.v[layer][slots, :, :n],
+                           positions=store.pos[layer][slots, :, :n], queries=queries, attn=attn,
+                           module=self.layers[model_layer].self_attn, is_prefill=is_prefill, states=states,
+                           kv_head=kv_head)
 
     # ------------------------------------------------------------------------------------ slots
     def _move(self, src: int, dst: int) -> None:
@@ -342,7 +362,9 @@ class ModelRunner:
         for r in finished:
             group, base = (self.running, 0) if any(x is r for x in self.running) else (self.cohort, self.cohort_start)
             i = next(j for j, x in enumerate(group) if x is r)
-            r.layer_kv_tokens = self.store.lengths[:, base + i].tolist()
+            r.head_kv_tokens = self.store.head_lengths(base + i)
+            # per layer: its heads' mean (rounded), the same as every head's count unless head-split
+            r.layer_kv_tokens = [round(sum(h) / len(h)) for h in r.head_kv_tokens]
             last = len(group) - 1
             if last != i:
                 self._move(base + last, base + i)

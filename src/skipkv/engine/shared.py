@@ -90,6 +90,8 @@ def branch(bundle, full: ModelRunner, policy: Policy, ids: list[int], sampling: 
                           "(it needs hidden states, attention sums not accumulated, or a wider query window)")
     run = ModelRunner(bundle, policy, num_slots=0)
     run.store = full.store.copy(aux=run.store.aux_names)  # the accumulators this policy reads, no others
+    if policy.head_split:  # a policy whose heads keep different counts continues in its own layout
+        run.store = run.store.split_heads()
     run.cache = SlotCache(run.store)
     if run.queries is not None:
         assert full.queries is not None  # the full run buffers queries whenever a policy does

@@ -45,10 +45,11 @@ class RequestTrace:
 
     def record(self, pos: torch.Tensor, lengths: torch.Tensor, generated: int, state: dict | None) -> None:
         """Note one compression that just finished. pos: [L, H, C] the slot's true positions after compaction;
-        lengths: [L] valid entries per layer (host)."""
+        lengths: [L] valid entries per layer (host; the longest head's, entries past a head's own are -1)."""
         L, H, C = pos.shape
         step = len(self.steps)
-        valid = torch.arange(C, device=pos.device) < lengths.to(pos.device)[:, None, None]  # [L, 1, C]
+        # [L, H, C]; a head-split store's heads may hold fewer than their layer's longest (padded with -1)
+        valid = (torch.arange(C, device=pos.device) < lengths.to(pos.device)[:, None, None]) & (pos >= 0)
         seen = int(pos.masked_fill(~valid, -1).amax()) + 1  # the newest fed position is always kept (window)
         alive = torch.zeros(L, H, seen + 1, dtype=torch.bool, device=pos.device)
         # Invalid entries scatter into the spare column `seen`, which is dropped.

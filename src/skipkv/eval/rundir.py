@@ -35,7 +35,10 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   staging before its compression included), decode_peak_kv_tokens, decode_peak_kv_bytes (peaks over decode
   steps only), compressions, compress_seconds, seconds
   finish_reason                  "eos" | "length" | "stop"
-  layer_kv_tokens                entries each layer held at the end (differ per layer under LaProx / PyramidKV)
+  layer_kv_tokens                entries each layer held at the end (differ per layer under LaProx / PyramidKV;
+                                 the mean over its kv heads under head-split policies)
+  head_kv_tokens                 entries each (layer, kv head) held at the end, [L][H] (heads differ under
+                                 adakv and laprox --granularity head)
   sandbox                        code tasks: the isolation level that ran the program ("namespaces" | "unsafe-basic")
   + policy stats, flat           what the policy reports per request (Policy.stats), e.g. sentences,
                                  check_sentences, flagged_sentences (skipkv), steered_tokens (with steering)
@@ -87,7 +90,7 @@ CORE_RECORD_KEYS = frozenset({
     "generated_tokens", "prompt_tokens", "peak_kv_tokens", "peak_kv_bytes", "decode_peak_kv_tokens",
     "decode_peak_kv_bytes", "compressions", "compress_seconds", "seconds", "finish_reason", "budget", "session",
     "finished_at",
-    "layer_kv_tokens", "sandbox", "trace"})
+    "layer_kv_tokens", "head_kv_tokens", "sandbox", "trace"})
 GROUP_KEYS = ("length", "depth")  # meta keys the summary breaks accuracy down by
 CONFIG_VERSION = 1
 
@@ -232,6 +235,7 @@ def make_record(job: Job, result: Any, verdict: Any, seed: int, session: float) 
         "compress_seconds": result.compress_seconds, "seconds": result.seconds,
         "finish_reason": result.finish_reason, "budget": job.budget, "session": session,
         "layer_kv_tokens": result.layer_kv_tokens,
+        "head_kv_tokens": result.head_kv_tokens,
         "finished_at": time.time(),
     }
     clash = CORE_RECORD_KEYS & (set(job.example.meta) | set(result.extra))

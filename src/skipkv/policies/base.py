@@ -7,6 +7,11 @@ layers at different lengths (per-layer budgets). Model-wide policies (`model_wid
 get every layer of one request at once through `select_model_wide` and return one keep tensor per layer, of
 different lengths; the store gives each layer its own capacity, so the bytes follow.
 
+Head-split policies (`head_split`, LaProx at granularity head, Ada-KV) let the kv heads of one layer keep
+different counts: the store then holds each (layer, kv head) as its own unit (cache/store.py), observations
+come one unit at a time (`Observation.kv_head`; keys [b, 1, n, D], queries the head's G query heads) and keep
+tensors are [1, 1, K_u]; memory asks `head_capacity`/`head_prefill_keep` ([L*H], layer-major) instead.
+
 Memory: a policy says what each layer of a request can hold (`layer_capacity`, after the prompt is in;
 `prefill_keep`, after a prefill compression); engine/memory.py sizes the store and admits requests from
 these alone. A request may run a lower budget than the policy's (`for_request`, e.g. the server's kv_budget).
@@ -49,6 +54,7 @@ class Observation:
     module: Any  # the HF attention module of this layer (o_proj, config: attributes read by name)
     is_prefill: bool
     states: list | None = None  # per-request policy state (see Policy.init_state), one per row
+    kv_head: int | None = None  # head-split stores: the one kv head observed (keys [b, 1, n, D], queries its group)
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,23 @@ class Policy:
         it must also bound a layer that the compression leaves whole)."""
         return [self.budget] * num_layers
 
+    @property
+    def head_split(self) -> bool:
+        """Do the kv heads of one layer keep different counts (a head-split store, module docstring)?"""
+        return False
+
+    def head_capacity(self, num_layers: int, num_kv_heads: int, prompt_len: int, max_new_tokens: int) -> list[int]:
+        """Head-split policies: `layer_capacity` per (layer, kv head), [L*H] layer-major. Default: each head
+        its layer's."""
+        caps = self.layer_capacity(num_layers, prompt_len, max_new_tokens)
+        return [c for c in caps for _ in range(num_kv_heads)]
+
+    def head_prefill_keep(self, num_layers: int, num_kv_heads: int, prompt_len: int, prefix_len: int) -> list[int]:
+        """Head-split policies: `prefill_keep` per (layer, kv head), [L*H] layer-major. Default: each head its
+        layer's."""
+        keep = self.prefill_keep(num_layers, prompt_len, prefix_len)
+        return [k for k in keep for _ in range(num_kv_heads)]
+
     def request_budget(self, prompt_len: int) -> int:
         """The budget (tokens per kv head, per layer on average) this policy runs a `prompt_len` prompt under."""
         return self.budget
@@ -173,8 +196,9 @@ class Policy:
         return policy
 
     def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
-        """Model-wide policies only: obs holds every layer of ONE request (b = 1, n_l entries in layer l).
-        Returns one keep tensor [1, H, K_l] (ascending) per layer, or None when nothing is evicted."""
+        """Model-wide policies only: obs holds every layer of ONE request (b = 1, n_l entries in layer l; every
+        (layer, kv head) unit, layer-major, if `head_split`). Returns one keep tensor [1, H, K_l] (ascending) per
+        layer (per unit: [1, 1, K_u]), or None when nothing is evicted."""
         raise NotImplementedError
 
     def before_compress(self, states: list, is_prefill: bool) -> None:

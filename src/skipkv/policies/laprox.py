@@ -19,10 +19,15 @@ sum = share of the layer's total, none), then ONE top-k runs over every layer's 
 keeps `budget` x layers entries, or `budget_ratio` x prompt length x layers. Every layer always keeps its
 `sink` oldest and `prefill_window` newest tokens, and at least `min_layer_tokens` entries in all.
 
-Granularity: layer-level, as in the seed: all kv heads of a layer keep the same tokens. Head-level budgets
-are not offered: the store keeps one length per (slot, layer) shared by its kv heads (one mask per layer,
-[S, H, C_l, D] buffers), so heads of one layer holding different counts would need padding entries that
-cost the same bytes as kept ones, i.e. the memory saving would be faked.
+Granularity (`granularity`): "layer" (the default, as the research notes' sketch: all kv heads of a layer keep
+the same tokens) or "head": the seed's "normalise head contributions to one scale, one top-k over the union of
+(layer, head)". With head, the score of token i for kv head g of layer l sums the seed's formula over g's query
+heads only, score_{l,g}(i) = || sum_{h in g} sum_j A_{h,j,i} V_{g,i} W_O^h || (the same `norm` variants, over
+that head group), each (layer, kv head) is normalised over its own candidates, and ONE top-k runs over every
+(layer, kv head) at once: the model keeps `budget` x layers x kv heads entries. Every (layer, kv head) keeps its
+`sink` oldest and `prefill_window` newest tokens and at least `min_layer_tokens` entries. Heads of one layer
+then hold different counts; the engine gives such policies a head-split store (cache/store.py), in which each
+(layer, kv head) is allocated for what it keeps, so the saving is real.
 
 Phase: prefill only (the seed targets long prompts). Decode steps then append one entry per layer and never
 evict; the per-layer capacity after prefill is what each layer kept + max_new_tokens. With chunked prefill
@@ -42,7 +47,8 @@ Ablation axes (each a knob; the defaults are the seed's method, the row every ab
     With `kernel` > 1 the method is a LaProx-SnapKV hybrid (SnapKV's pooling, which also moves budget between
     layers under the model-wide top-k), reported as such; it was added after plain LaProx had been seen
     dropping needle digits, not as part of the seed's method.
-`ABLATION_AXES` lists them; a granularity axis (layer | head) joins them once the store holds per-head lengths.
+  - `granularity`: "layer" or "head" (above).
+`ABLATION_AXES` lists them.
 The sweep configs name the variants (labels such as `laprox-attn`, `laprox-layer`, `laprox-pool7`).
 """
 
@@ -63,8 +69,9 @@ NORMS = ("sum", "frobenius")
 NORMALIZATIONS = ("zscore", "sum", "none")
 SCORINGS = ("output", "attention")
 ALLOCATIONS = ("model", "layer")
+GRANULARITIES = ("layer", "head")
 # The knobs the ablation crosses; the seed's method is every axis at its default (see the module docstring).
-ABLATION_AXES = ("scoring", "allocation", "kernel")
+ABLATION_AXES = ("scoring", "allocation", "kernel", "granularity")
 
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -203,7 +210,8 @@ class LaProx(Policy):
     keeps = ("per layer, each token's norm of attention × value × `o_proj` over the window (heads summed first), "
              "normalised per layer, then one top-k over all layers (`budget` × layers, or `--budget-ratio` of "
              "the prompt); prefill only. Ablation knobs (defaults = the seed's method): `--scoring output|attention`, "
-             "`--allocation model|layer`, `--kernel 1|7` (7 = a LaProx–SnapKV hybrid)")
+             "`--allocation model|layer`, `--kernel 1|7` (7 = a LaProx–SnapKV hybrid), `--granularity layer|head` "
+             "(head: one top-k over every (layer, kv head), heads keep different counts)")
     contract_knobs = {"prefill_window": 8}
 
     budget_ratio: float | None = knob(None, "model-wide budget as a fraction of the prompt (per layer on "
@@ -218,6 +226,9 @@ class LaProx(Policy):
                         "(window attention only; ablation)", choices=SCORINGS)
     allocation: str = knob("model", "budget split: model (one model-wide top-k, the seed) or layer (the same "
                            "share in every layer; ablation)", choices=ALLOCATIONS)
+    granularity: str = knob("layer", "selection unit: layer (every kv head of a layer keeps the same tokens) or "
+                            "head (one top-k over every (layer, kv head), heads keep different counts)",
+                            choices=GRANULARITIES)
     phase: str = knob("prefill", "when compression runs (LaProx compresses the prompt)", choices=("prefill",))
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
@@ -273,6 +284,17 @@ class LaProx(Policy):
         floor = min(prefix_len, max(self.prefill_window + self.sink, self.min_layer_tokens))
         return [self.layer_budget(prompt_len) * num_layers - (num_layers - 1) * floor] * num_layers
 
+    @property
+    def head_split(self) -> bool:
+        return self.granularity == "head"
+
+    # At granularity head every (layer, kv head) is one unit of the selection, so the per-layer bounds hold per unit.
+    def head_capacity(self, num_layers: int, num_kv_heads: int, prompt_len: int, max_new_tokens: int) -> list[int]:
+        return self.layer_capacity(num_layers * num_kv_heads, prompt_len, max_new_tokens)
+
+    def head_prefill_keep(self, num_layers: int, num_kv_heads: int, prompt_len: int, prefix_len: int) -> list[int]:
+        return self.prefill_keep(num_layers * num_kv_heads, prompt_len, prefix_len)
+
     def layer_capacity(self, num_layers: int, prompt_len: int, max_new_tokens: int) -> list[int]:
         # A layer may keep up to its whole prompt; the runner sizes each layer by what it kept.
         return [min(prompt_len, self.prefill_keep(num_layers, prompt_len, prompt_len)[0]) + max_new_tokens] * num_layers
@@ -285,13 +307,18 @@ class LaProx(Policy):
         return self.budget_ratio is not None or length > self.budget
 
     def layer_scores(self, obs: Observation) -> torch.Tensor:
-        """Raw scores [b, n] of one layer (`scoring`: output-aware, or attention only)."""
+        """Raw scores [b, n] of one layer, or of one kv head with its query heads (head-split observations);
+        `scoring`: output-aware, or attention only."""
         assert obs.queries is not None
         w = min(obs.queries.shape[2], obs.keys.shape[2])
         scale = getattr(obs.module, "scaling", None)
         if self.scoring == "attention":
             return attention_scores(obs.queries[:, :, -w:], obs.keys, scale)
-        return output_scores(obs.queries[:, :, -w:], obs.keys, obs.values, obs.module.o_proj.weight, self.norm, scale)
+        o_weight = obs.module.o_proj.weight  # [E, Hq*D]
+        if obs.kv_head is not None:  # the o_proj columns of this kv head's query heads (h = kv_head * G + g)
+            G, D = obs.queries.shape[1], obs.queries.shape[3]
+            o_weight = o_weight[:, obs.kv_head * G * D:(obs.kv_head + 1) * G * D]
+        return output_scores(obs.queries[:, :, -w:], obs.keys, obs.values, o_weight, self.norm, scale)
 
     def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
         state = obs[0].states[0] if obs[0].states else None

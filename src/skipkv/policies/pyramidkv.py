@@ -12,9 +12,7 @@ count, so every layer's bytes are real. w is prefill_window + sink, the tokens p
 Decode (phase decode/both) compresses every layer back to its own budget when the largest layer reaches its
 budget + interval; since all layers grow together, each then holds its budget + interval.
 
-Ada-KV (arXiv 2407.11550, head-wise adaptive budgets within a layer) is not provided: the store keeps one
-length per (slot, layer) for all its kv heads, so heads of one layer with different counts would have to be
-padded to the largest, and the memory Ada-KV saves would be reported but not freed.
+Ada-KV (arXiv 2407.11550, head-wise adaptive budgets within a layer) is adakv.py, on a head-split store.
 """
 
 from __future__ import annotations
