@@ -104,8 +104,8 @@ def lengths(cells: dict) -> list[dict]:
 
 
 def markdown(name: str, result: dict) -> str:
-    lines = [f"### {name}", "", "| cell | budget | n | accuracy (95% CI) | mean tokens | check / chain | flagged / chain "
-             "| compressions / chain |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [f"### {name}", "", "| cell | budget | n | accuracy (95% CI) | mean tokens | check / chain "
+             "| flagged / chain | compressions / chain |", "|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in result["cells"]:
         lines.append(f"| {r['label']} | {r['budget'] or '—'} | {r['n']} | {r['correct']}/{r['n']} = {r['acc']:.3f} "
                      f"({r['lo']:.3f}–{r['hi']:.3f}) | {r['tokens']:.0f} | {r['check_sentences']:.2f} | "
