@@ -24,8 +24,8 @@ keys, 2.20 vs 0.24 ms at batch 16), so there the engine's grouped fp32 attention
 differently, so the choice is recorded (`SKIPKV_DECODE_SDPA=1|0` overrides it).
 
 Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
-weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, a decode step
-9% faster at batch 1 and 35% at batch 16 on the EPYC above. `SKIPKV_PACKED_LINEARS=1|0` overrides.
+weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
+(figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides.
 
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
 changes it, and the record keeps what ran.

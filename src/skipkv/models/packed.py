@@ -5,9 +5,11 @@
 `torch.nn.functional.linear` in bf16 on a CPU hands the weight to oneDNN, which reorders it into its blocked layout
 on every call; `torch.ops.mkldnn._reorder_linear_weight` does that once, and `_linear_pointwise` multiplies with
 the packed copy. The kernel is the same, so the outputs are bit-identical (tests/test_packed.py); what changes is
-the time, measured on a 2-core EPYC (AVX512-BF16, no AMX), Qwen2.5-0.5B, full-cache decode step, 2 threads:
-71.9 -> 65.5 ms at batch 1, 129.6 -> 83.9 ms at batch 16 (docs/benchmarks.md). Whether it runs is decided by
-`hardware.packed_linears` (CPU, bf16, oneDNN with bf16 support; `SKIPKV_PACKED_LINEARS=1|0` overrides).
+the time: on a 2-core EPYC (AVX512-BF16, no AMX), Qwen2.5-0.5B, full cache, 16 GSM8K prompts x 128 tokens,
+2 threads, the median gap between tokens fell from 187 to 132 ms and the first token came at 6.2 instead of
+7.5 s (`SKIPKV_PACKED_LINEARS=1|0 python benchmarks/vllm_anchor/skipkv_run.py`, docs/benchmarks.md). Whether it
+runs is decided by `hardware.packed_linears` (CPU, bf16, oneDNN with bf16 support; `SKIPKV_PACKED_LINEARS=1|0`
+overrides).
 
 Memory: the packed copy replaces the dense weight, except where the project reads the dense one (`o_proj`:
 LaProx's output-aware score and the fidelity benchmark) and where it is shared (`lm_head` tied to the input
