@@ -9,6 +9,12 @@ Families (as the config states them, before any cell ran):
   - primary: the two 8K needle sets pooled (niah8k-b*, multikey8k-b*), 12 policies x 2 budgets = 24 tests;
   - secondary, each its own family of 24: niah8k, multikey8k, vt4k (variable tracking), cw4k (common words,
     correct = every reference word found; the mean share found is printed as a description, not tested).
+Amendment (committed with its two cells, laprox-head and adakv, before either ran; the families above are
+unchanged and never see them): head granularity, built after the grid started. For every family above its own
+family of 4 policies x 2 budgets = 8 tests, Holm within it: `laprox-head` (the seed's method with one top-k over
+every (layer, kv head)) against laprox (the granularity flipped alone), snapkv, rkv and adakv (SnapKV's scores
+with Ada-KV's per-layer head allocation), on the examples all of full, snapkv, rkv, laprox, laprox-head and
+adakv finished.
 A dataset directory `<set>-b<k>` is block k of set <set>; an example is (block, id). Only examples that every
 cell of a budget finished (the full cache included) enter that budget's rows, so an interrupted sweep is
 analysed on its finished examples; the header says how many, and which blocks are complete.
@@ -26,6 +32,10 @@ from skipkv.report.stats import bootstrap, holm, mcnemar_exact, wilson
 
 AGAINST = "laprox"
 BASELINES = ("full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "rkv")
+# The registered grid's cells (the families above are computed on exactly these) and the amendment's.
+REGISTERED = BASELINES + tuple(f"laprox{a}{b}{c}" for a in ("", "-attn") for b in ("", "-layer")
+                               for c in ("", "-pool7"))
+AMENDMENT = {"against": "laprox-head", "labels": ("full", "snapkv", "rkv", "adakv", "laprox", "laprox-head")}
 FAMILIES = {"8K needles pooled (primary)": ("niah8k", "multikey8k"), "niah8k": ("niah8k",),
             "multikey8k": ("multikey8k",), "vt4k": ("vt4k",), "cw4k": ("cw4k",)}
 CELL = re.compile(r"^(?P<label>.+?)(?:-r(?P<ratio>[0-9.]+))?-s\d+$")
@@ -52,10 +62,12 @@ def load(root: Path) -> dict[str, dict[str, dict[str | None, dict[tuple[str, str
     return grid
 
 
-def family_rows(grid, sets: tuple[str, ...], ratios: list[str]) -> tuple[list[dict], dict[str, int]]:
-    """Rows {policy, ratio, k, n, lo, hi, score, only_ref, only_me, p} for every policy and budget on the examples
-    that every cell of that budget finished in `sets`; p is None for the reference and the full cache."""
-    labels = sorted({lab for s in sets for lab in grid.get(s, {})},
+def family_rows(grid, sets: tuple[str, ...], ratios: list[str], against: str = AGAINST,
+                keep: tuple[str, ...] = REGISTERED) -> tuple[list[dict], dict[str, int]]:
+    """Rows {policy, ratio, k, n, lo, hi, score, only_ref, only_me, p} for every policy of `keep` and budget on the
+    examples that every such cell of that budget finished in `sets`, each tested against `against`; p is None
+    for `against` itself and the full cache."""
+    labels = sorted({lab for s in sets for lab in grid.get(s, {}) if lab in keep},
                     key=lambda x: (x not in BASELINES, BASELINES.index(x) if x in BASELINES else 0, x))
     out, sizes = [], {}
     for ratio in ratios:
@@ -64,15 +76,15 @@ def family_rows(grid, sets: tuple[str, ...], ratios: list[str]) -> tuple[list[di
         shared = set.intersection(*(set(c) for c in cells.values())) if cells else set()
         ids = sorted(shared)
         sizes[ratio] = len(ids)
-        if not ids or AGAINST not in cells:
+        if not ids or against not in cells:
             continue
-        ref = [bool(cells[AGAINST][i]["correct"]) for i in ids]
+        ref = [bool(cells[against][i]["correct"]) for i in ids]
         for lab in labels:
             me = [bool(cells[lab][i]["correct"]) for i in ids]
             lo, hi = wilson(sum(me), len(me))
             only_ref = sum(r and not m for r, m in zip(ref, me))
             only_me = sum(m and not r for r, m in zip(ref, me))
-            tested = lab not in (AGAINST, "full")
+            tested = lab not in (against, "full")
             out.append({"policy": lab, "ratio": ratio, "k": sum(me), "n": len(me), "lo": lo, "hi": hi,
                         "score": sum(float(cells[lab][i]["score"]) for i in ids) / len(ids),
                         "score_ci": bootstrap([float(cells[lab][i]["score"]) for i in ids]),
@@ -100,11 +112,12 @@ def _p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
-def markdown(name: str, rows: list[dict], sizes: dict[str, int], note: str, score: bool) -> str:
+def markdown(name: str, rows: list[dict], sizes: dict[str, int], note: str, score: bool,
+             against: str = AGAINST) -> str:
     lines = [f"**{name}** ({note}; examples every cell finished: "
              + ", ".join(f"{float(r):.0%}: {n}" for r, n in sizes.items()) + ")", "",
              "| policy | budget | correct [95% CI] |" + (" mean score [95% CI] |" if score else "")
-             + f" vs {AGAINST}: only {AGAINST} / only this | p | p (Holm) |",
+             + f" vs {against}: only {against} / only this | p | p (Holm) |",
              "|:---|---:|---:|" + ("---:|" if score else "") + "---:|---:|---:|"]
     for r in rows:
         vs = (f" {r['only_ref']} / {r['only_me']} | {_p(r['p'])} | {_p(r['p_holm'])}"
@@ -125,13 +138,15 @@ def main() -> None:
     grid = load(args.root)
     ratios = sorted({r for s in grid.values() for lab in s.values() for r in lab if r is not None}, key=float)
     report = {}
-    for name, sets in FAMILIES.items():
-        rows, sizes = family_rows(grid, sets, ratios)
+    amended = [(f"amendment, head granularity: {name}", sets, AMENDMENT["against"], AMENDMENT["labels"])
+               for name, sets in FAMILIES.items()]
+    for name, sets, against, keep in [(n, s, AGAINST, REGISTERED) for n, s in FAMILIES.items()] + amended:
+        rows, sizes = family_rows(grid, sets, ratios, against, keep)
         if not rows:
             print(f"**{name}**: no example finished in every cell yet\n")
             continue
-        report[name] = {"sets": sets, "examples": sizes, "rows": rows}
-        print(markdown(name, rows, sizes, blocks(grid, sets, args.root), score="cw4k" in sets) + "\n")
+        report[name] = {"sets": sets, "against": against, "examples": sizes, "rows": rows}
+        print(markdown(name, rows, sizes, blocks(grid, sets, args.root), score="cw4k" in sets, against=against) + "\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 
