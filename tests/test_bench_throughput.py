@@ -113,3 +113,20 @@ def test_batch_sweep_repeats_alternate_engine_and_transformers(tmp_path, monkeyp
     assert point["ratio"] == pytest.approx(ratios[1])
     assert point["tokens_per_s"] == pytest.approx(sorted(point["engine_runs"])[1])
     assert main(["bench", "throughput", "--model", "random:qwen2", "--repeats", "0"]) == 2
+
+
+def test_timeline_notes_tokens_and_batch_at_each_interval():
+    """The timeline's rows are [seconds, tokens so far, requests that got a token]: one per interval, ending at
+    the run's total, with the batch the engine ran."""
+    from skipkv import load_model
+    from skipkv.bench.throughput import Workload, run_engine
+
+    bundle = load_model("random:qwen2", dtype="fp32")
+    work = Workload("t", [list(range(5, 25))] * 3, [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3)
+    run = run_engine(bundle, make_policy("full"), work, EngineConfig(), "full", timeline_s=0.0)
+    assert len(run.timeline) == run.steps  # interval 0: every step that produced a token
+    assert run.timeline[-1][1] == run.generated_tokens == 90
+    assert [row[2] for row in run.timeline] == [3] * 30
+    assert all(a[0] <= b[0] and a[1] < b[1] for a, b in zip(run.timeline, run.timeline[1:]))
+    sparse = run_engine(bundle, make_policy("full"), work, EngineConfig(), "full", timeline_s=3600.0)
+    assert len(sparse.timeline) == 1  # the first token's step only

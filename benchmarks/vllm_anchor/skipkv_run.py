@@ -59,6 +59,7 @@ def main() -> None:
                       "tokens_per_s": run.tokens_per_s, "generated_tokens": run.generated_tokens,
                       "wall_s": run.wall_s, "max_batch": run.max_batch, "peak_kv_bytes": run.peak_kv_bytes,
                       "finished": run.requests, "ttft_p50": run.ttft_p50, "tpot_p50": run.tpot_p50,
+                      "timeline": run.timeline,
                       "environment": environment(bundle.dtype_choice)}))
 
 

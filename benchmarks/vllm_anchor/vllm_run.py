@@ -7,7 +7,9 @@ Runs in vLLM's own venv (setup_venv.sh), never imports skipkv. vLLM keeps its de
 --kv-space-gib sets VLLM_CPU_KVCACHE_SPACE (1 is its smallest CPU KV space). All requests are added at once
 and the engine is stepped until they finish or --window-s passes; the rates cover what was timed. Model loading
 and a short warm-up are outside the timed part, as on the skipkv side. "max_batch" is the most requests that
-received a token in one step.
+received a token in one step; "timeline" notes [seconds, tokens so far, requests that got a token in that step]
+every 30 s; "stalls" counts the times a request that got a token in one step got none in the next while
+unfinished (a preemption: vLLM frees its KV blocks and recomputes it later).
 """
 
 from __future__ import annotations
@@ -48,21 +50,32 @@ def main() -> None:
 
     engine = llm.llm_engine
     tokens: dict[str, int] = {}
-    finished = max_batch = steps = 0
+    finished = max_batch = steps = stalls = 0
+    timeline: list[list[float]] = []
+    previous: set[str] = set()
     t0 = time.perf_counter()
     for i, ids in enumerate(spec["prompt_ids"]):
         engine.add_request(str(i), {"prompt_token_ids": ids}, greedy)
     while engine.has_unfinished_requests():
         outs = engine.step()
         steps += 1
-        advanced = 0
+        moved: set[str] = set()
+        done: set[str] = set()
         for o in outs:
             n = len(o.outputs[0].token_ids)
             if n > tokens.get(o.request_id, 0):
-                advanced += 1
+                moved.add(o.request_id)
             tokens[o.request_id] = n
-            finished += bool(o.finished)
-        max_batch = max(max_batch, advanced)
+            if o.finished:
+                finished += 1
+                done.add(o.request_id)
+        if moved:  # a step that advanced nothing (an empty or all-prefill output) is no evidence of preemption
+            stalls += len(previous - moved - done)
+            previous = moved - done
+        max_batch = max(max_batch, len(moved))
+        now = time.perf_counter() - t0
+        if moved and (not timeline or now - timeline[-1][0] >= 30):
+            timeline.append([round(now, 1), sum(tokens.values()), len(moved)])
         if args.window_s is not None and time.perf_counter() - t0 > args.window_s:
             break
     wall = time.perf_counter() - t0
@@ -71,7 +84,8 @@ def main() -> None:
                       "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
                       "memory_utilization": args.memory_utilization, "threads": torch.get_num_threads(),
                       "load_s": round(load_s, 1), "tokens_per_s": generated / wall, "generated_tokens": generated,
-                      "wall_s": wall, "max_batch": max_batch, "finished": finished, "steps": steps}))
+                      "wall_s": wall, "max_batch": max_batch, "finished": finished, "steps": steps,
+                      "stalls": stalls, "timeline": timeline}))
     # vLLM's engine-core and worker processes can keep a clean exit waiting, and outlive os._exit: end them first.
     import psutil
 

@@ -104,9 +104,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_engine(bundle, policy, work: Workload, config: EngineConfig, name: str,
-               max_seconds: float | None = None) -> PolicyRun:
+               max_seconds: float | None = None, timeline_s: float = 30.0) -> PolicyRun:
     """Submit every request of `work` at once and step the engine until all are done (or, with
-    `max_seconds`, until that much time passed: the rest is aborted and the rates cover the window)."""
+    `max_seconds`, until that much time passed: the rest is aborted and the rates cover the window).
+    Every `timeline_s` seconds the run notes [elapsed, tokens so far, requests that got a token that step]."""
     from skipkv.engine import Engine
 
     eng = Engine(bundle, policy, config)
@@ -119,11 +120,14 @@ def run_engine(bundle, policy, work: Workload, config: EngineConfig, name: str,
         results = []
         generated = max_batch = peak_alloc = peak_held = steps = 0
         compress_s = 0.0
+        timeline: list[list[float]] = []
         while eng.has_unfinished():
             out = eng.step()
             now = time.perf_counter()
             steps += 1
             generated += len(out.new_tokens)
+            if out.new_tokens and (not timeline or now - t0 - timeline[-1][0] >= timeline_s):
+                timeline.append([round(now - t0, 1), generated, len(out.new_tokens)])
             for rid, _ in out.new_tokens:
                 if rid in last:
                     gaps.append(now - last[rid])
@@ -149,7 +153,7 @@ def run_engine(bundle, policy, work: Workload, config: EngineConfig, name: str,
                      ttft_p50=_percentile(ttft, 0.5), tpot_p50=_percentile(gaps, 0.5), tpot_p99=_percentile(gaps, 0.99),
                      compress_share=compress_s / wall, generated_tokens=generated,
                      requests=len(results), wall_s=wall, steps=steps, batch_size=config.batch_size,
-                     kv_memory=config.kv_memory)
+                     kv_memory=config.kv_memory, timeline=timeline)
 
 
 def run_hf(bundle, work: Workload, batch: int) -> HFRun:

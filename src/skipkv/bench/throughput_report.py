@@ -31,6 +31,9 @@ class PolicyRun:
     steps: int
     batch_size: int  # the cap given to the engine
     kv_memory: int
+    # [seconds since submission, tokens generated so far, requests that got a token in that step], one per
+    # `timeline_s` (bench throughput and the vLLM comparison: where a capped batch shrinks or stalls)
+    timeline: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
