@@ -266,3 +266,30 @@ def test_trace_records_what_each_head_kept(monkeypatch, sharp):
     P = res.prompt_tokens
     got = [[[p for p in range(P) if ev[l, h, p] < 0] for h in range(ev.shape[1])] for l in range(ev.shape[0])]
     assert got == kept[0][0]
+
+
+def test_each_head_masks_with_its_own_lengths_when_key_counts_match():
+    """Two kv heads of one layer whose rows hold swapped counts (head 0: 5 and 3 entries, head 1: 3 and 5) need
+    the same number of keys but different masks: every (row, query head) must attend exactly the entries its
+    own kv head holds plus the new one, as a per-head softmax over those entries computes it."""
+    from skipkv.attention import StepContext, _head_split_attention
+
+    torch.manual_seed(0)
+    S, H, G, D, cap = 2, 2, 2, 8, 8
+    store = KVStore(1, S, H, D, cap, torch.float32, head_split=True)
+    held = [[5, 3], [3, 5]]  # [head][row], before this decode step
+    for u in range(H):
+        store.k[u].copy_(torch.randn(S, 1, cap, D) * 3)  # entries past what a row holds are garbage to mask out
+        store.v[u].copy_(torch.randn(S, 1, cap, D))
+        store.lengths[u] = torch.tensor(held[u])
+    q = torch.randn(S, H * G, 1, D)
+    ctx = StepContext(store, 0, torch.tensor([1, 1]), torch.tensor([[5], [5]]))
+    new_k = torch.cat([store.k[u][:, :, :1] for u in range(H)], dim=1)  # [S, H, 1, D]: only its shape is read
+    out, _ = _head_split_attention(ctx, 0, q, new_k, new_k, None)  # [S, 1, Hq, D]
+    for b in range(S):
+        for qh in range(H * G):
+            h = qh // G
+            n = held[h][b] + 1  # what the row holds in this head, and the new entry at its end
+            k, v = store.k[h][b, 0, :n], store.v[h][b, 0, :n]
+            want = torch.softmax(q[b, qh, 0] @ k.T * D**-0.5, dim=-1) @ v
+            torch.testing.assert_close(out[b, 0, qh], want)
