@@ -2,6 +2,11 @@
 the engine's own Python, from torch.profiler over N steps of a full-cache request on the real model.
 
     python benchmarks/profile_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 32] [--out FILE.json]
+    python benchmarks/profile_step.py --batch 64 --prompt-tokens 512 --policy rkv:budget=256,interval=32 \
+        --warmup 300 --steps 64          # a compressing policy in its steady state (a compression row is added)
+
+--prompt-tokens N replaces the GSM8K question by N random tokens (the synthetic workload's generator);
+--policy takes a `name[:knob=value,...]` spec; --warmup is the steps run before any timing (prefill included).
 
 Each module class gets a profiler range through forward hooks (installed by this script only: nothing in the
 library is changed or patched), and a range around the whole model forward; what `Engine.step()` spends outside
@@ -26,7 +31,7 @@ from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine import Engine
 from skipkv.hardware import environment, set_threads
 from skipkv.models import load_model
-from skipkv.policies import make_policy
+from skipkv.policies import make_policy, parse_policy_spec
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
@@ -34,7 +39,7 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
 
 def label_of(module: torch.nn.Module) -> str | None:
     name = type(module).__name__
-    if isinstance(module, torch.nn.Linear):
+    if isinstance(module, torch.nn.Linear) or name == "PackedLinear":
         return "linear"
     if name.endswith("RMSNorm"):
         return "norm"
@@ -76,6 +81,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together (the same prompt)")
+    ap.add_argument("--policy", default="full", help="policy spec, e.g. rkv:budget=256,interval=32")
+    ap.add_argument("--prompt-tokens", type=int, help="N random prompt tokens instead of the GSM8K question")
+    ap.add_argument("--warmup", type=int, default=16, help="steps before timing (prefill included)")
     ap.add_argument("--out")
     args = ap.parse_args()
     threads = set_threads(args.threads)
@@ -83,16 +91,23 @@ def main() -> None:
     tok = bundle.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
                                      add_generation_prompt=True)
-    eng = Engine(bundle, make_policy("full"), EngineConfig(batch_size=args.batch))
-    for _ in range(args.batch):
-        eng.add_request(prompt, SamplingParams(max_new_tokens=args.steps + 40, ignore_eos=True))
-    for _ in range(16):  # prefill + warm-up steps
+    prompts: list = [prompt] * args.batch
+    if args.prompt_tokens:
+        from skipkv.bench.throughput import make_workload
+
+        prompts = make_workload(f"synthetic:{args.prompt_tokens}x1", bundle, args.batch, 0, None).prompts
+    policy = make_policy("full") if args.policy == "full" else parse_policy_spec(args.policy)[1]
+    eng = Engine(bundle, policy, EngineConfig(batch_size=args.batch))
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_new_tokens=args.warmup + args.steps + 40, ignore_eos=True))
+    for _ in range(args.warmup):  # prefill + warm-up steps
         eng.step()
     plain = []
     for _ in range(8):  # unhooked step time, for the hooks' own cost
         t0 = time.perf_counter()
         eng.step()
         plain.append(time.perf_counter() - t0)
+    compress0 = eng.step().stats.compress_seconds
     handles = install_ranges(bundle.model)
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -101,6 +116,7 @@ def main() -> None:
             with record_function("step/engine.step"):
                 eng.step()
             walls.append(time.perf_counter() - t0)
+    compress_ms = (eng.step().stats.compress_seconds - compress0) * 1e3
     for h in handles:
         h.remove()
     eng.close()
@@ -138,8 +154,11 @@ def main() -> None:
     }
     inside = sum(v for k, v in rows.items() if k != "linear: LM head")
     rows["decoder: rest (embedding, residual adds, glue)"] = model_ms - inside
+    # Compression (the policy's scoring and the store's eviction) runs inside engine.step(), outside the model
+    # forward; its time comes from the engine's own counter over the profiled steps (one step on each side).
+    rows["compression (policy scoring, eviction)"] = compress_ms / n
     rows["engine outside decoder and LM head (scheduling, KV accounting, sampling, Python)"] = (
-        step_ms - model_ms - rows["linear: LM head"])
+        step_ms - model_ms - rows["linear: LM head"] - rows["compression (policy scoring, eviction)"])
     print(f"{f'part of one decode step (batch {args.batch})':72s} {'ms':>8s} {'share':>7s}")
     for k, v in rows.items():
         print(f"{k:72s} {v:8.2f} {v / step_ms:7.1%}")
@@ -149,7 +168,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "dtype": str(bundle.dtype), "threads": threads, "steps": n,
-                       "batch": args.batch,
+                       "batch": args.batch, "policy": args.policy,
+                       "prompt_tokens": args.prompt_tokens, "warmup": args.warmup,
                        "rows_ms": rows, "step_ms_profiled": step_ms,
                        "step_ms_plain_median": statistics.median(plain) * 1e3,
                        "environment": environment(bundle.dtype_choice)}, f, indent=1)
