@@ -207,3 +207,24 @@ def test_sample_seeds_are_stable_and_distinct() -> None:
     assert sample_seed(0, "x", 0) == sample_seed(0, "x", 0)
     seeds = {sample_seed(s, i, k) for s in (0, 1) for i in ("x", "y") for k in range(3)}
     assert len(seeds) == 12 and all(0 <= v < 2**31 for v in seeds)
+
+
+def test_a_knob_added_later_at_its_default_still_resumes(tmp_path: Path) -> None:
+    """A run dir written before a knob existed (its config lacks `protect_prompt`) resumes when the knob is at
+    its default, and is refused when it is set otherwise."""
+    out = tmp_path / "run"
+    run_eval(small(out, limit=1))
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    assert config["policy"].pop("protect_prompt") is False
+    path.write_text(json.dumps(config))
+    first = (out / "records.jsonl").read_bytes()
+    run_eval(small(out, limit=2))  # resumes: the default keeps the earlier behaviour
+    assert (out / "records.jsonl").read_bytes().startswith(first)
+    assert len(records(out)) == 2
+    with pytest.raises(SkipKVError, match=r"different run: policy.protect_prompt \(\"<absent>\" -> true\)"):
+        run_eval(small(out, limit=2, policy_knobs={**small(out).policy_knobs, "protect_prompt": True}))
+    del config["policy"]["window"]  # a knob the run dir lacks and the new run sets to a non-default value
+    path.write_text(json.dumps(config))
+    with pytest.raises(SkipKVError, match=r"policy.window"):
+        run_eval(small(out, limit=2, policy_knobs={**small(out).policy_knobs, "window": 3}))

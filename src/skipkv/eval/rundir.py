@@ -67,6 +67,7 @@ summary.json — over all records in the directory:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -110,6 +111,24 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "
     return diffs
 
 
+def _unrecorded_defaults_dropped(old: Any, new: Any) -> Any:
+    """`new`'s policy record without the knobs that `old` does not record and that `new` sets to the policy's
+    default: a knob added to a policy after a run dir was written (e.g. `protect_prompt`, `granularity`) keeps
+    the policy's earlier behaviour at its default, so that run still resumes; any other value is a different
+    run. A knob that `old` records and `new` lacks stays a difference."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    from skipkv.policies import POLICIES
+
+    if new.get("name") not in POLICIES.names():
+        return new
+    cls = POLICIES.get(new["name"])
+    if not dataclasses.is_dataclass(cls):
+        return new
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return {k: v for k, v in new.items() if k in old or k not in defaults or jsonable(defaults[k]) != v}
+
+
 def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
     path = out / CONFIG_FILE
     if path.exists():
@@ -118,7 +137,8 @@ def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
         except ValueError:
             raise SkipKVError(f"{path} is not valid JSON; use another --out") from None
         diffs = _differences({k: old.get(k, "<absent>") for k in IDENTITY_KEYS},
-                             {k: config[k] for k in IDENTITY_KEYS})
+                             {k: config[k] for k in IDENTITY_KEYS} | {"policy": _unrecorded_defaults_dropped(
+                                 old.get("policy"), config["policy"])})
         if diffs:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
             raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
