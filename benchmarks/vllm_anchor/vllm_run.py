@@ -53,6 +53,7 @@ def main() -> None:
     finished = max_batch = steps = stalls = 0
     timeline: list[list[float]] = []
     previous: set[str] = set()
+    noted = float("-inf")  # when the last timeline row was taken (unrounded)
     t0 = time.perf_counter()
     for i, ids in enumerate(spec["prompt_ids"]):
         engine.add_request(str(i), {"prompt_token_ids": ids}, greedy)
@@ -74,7 +75,8 @@ def main() -> None:
             previous = moved - done
         max_batch = max(max_batch, len(moved))
         now = time.perf_counter() - t0
-        if moved and (not timeline or now - timeline[-1][0] >= 30):
+        if moved and now - noted >= 30:
+            noted = now
             timeline.append([round(now, 1), sum(tokens.values()), len(moved)])
         if args.window_s is not None and time.perf_counter() - t0 > args.window_s:
             break

@@ -121,12 +121,14 @@ def run_engine(bundle, policy, work: Workload, config: EngineConfig, name: str,
         generated = max_batch = peak_alloc = peak_held = steps = 0
         compress_s = 0.0
         timeline: list[list[float]] = []
+        noted = float("-inf")  # when the last timeline row was taken (unrounded)
         while eng.has_unfinished():
             out = eng.step()
             now = time.perf_counter()
             steps += 1
             generated += len(out.new_tokens)
-            if out.new_tokens and (not timeline or now - t0 - timeline[-1][0] >= timeline_s):
+            if out.new_tokens and now - noted >= timeline_s:
+                noted = now
                 timeline.append([round(now - t0, 1), generated, len(out.new_tokens)])
             for rid, _ in out.new_tokens:
                 if rid in last:
