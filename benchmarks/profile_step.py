@@ -3,7 +3,7 @@ the engine's own Python, from torch.profiler over N steps of a full-cache reques
 
     python benchmarks/profile_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 32] [--out FILE.json]
     python benchmarks/profile_step.py --batch 64 --prompt-tokens 512 --policy rkv:budget=256,interval=32 \
-        --warmup 300 --steps 64          # a compressing policy in its steady state (a compression row is added)
+        --warmup 40 --steps 64          # a compressing policy in its steady state (a compression row is added)
 
 --prompt-tokens N replaces the GSM8K question by N random tokens (the synthetic workload's generator);
 --policy takes a `name[:knob=value,...]` spec; --warmup is the steps run before any timing (prefill included).
@@ -31,7 +31,7 @@ from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine import Engine
 from skipkv.hardware import environment, set_threads
 from skipkv.models import load_model
-from skipkv.policies import make_policy, parse_policy_spec
+from skipkv.policies import parse_policy_spec
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
@@ -96,7 +96,7 @@ def main() -> None:
         from skipkv.bench.throughput import make_workload
 
         prompts = make_workload(f"synthetic:{args.prompt_tokens}x1", bundle, args.batch, 0, None).prompts
-    policy = make_policy("full") if args.policy == "full" else parse_policy_spec(args.policy)[1]
+    policy = parse_policy_spec(args.policy)[1]
     eng = Engine(bundle, policy, EngineConfig(batch_size=args.batch))
     for p in prompts:
         eng.add_request(p, SamplingParams(max_new_tokens=args.warmup + args.steps + 40, ignore_eos=True))
@@ -114,9 +114,9 @@ def main() -> None:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             with record_function("step/engine.step"):
-                eng.step()
+                out = eng.step()
             walls.append(time.perf_counter() - t0)
-    compress_ms = (eng.step().stats.compress_seconds - compress0) * 1e3
+    compress_ms = (out.stats.compress_seconds - compress0) * 1e3
     for h in handles:
         h.remove()
     eng.close()
@@ -155,7 +155,8 @@ def main() -> None:
     inside = sum(v for k, v in rows.items() if k != "linear: LM head")
     rows["decoder: rest (embedding, residual adds, glue)"] = model_ms - inside
     # Compression (the policy's scoring and the store's eviction) runs inside engine.step(), outside the model
-    # forward; its time comes from the engine's own counter over the profiled steps (one step on each side).
+    # forward; its time comes from the engine's own counter: after the step before profiling, after the last
+    # profiled step.
     rows["compression (policy scoring, eviction)"] = compress_ms / n
     rows["engine outside decoder and LM head (scheduling, KV accounting, sampling, Python)"] = (
         step_ms - model_ms - rows["linear: LM head"] - rows["compression (policy scoring, eviction)"])
