@@ -228,3 +228,33 @@ def test_a_knob_added_later_at_its_default_still_resumes(tmp_path: Path) -> None
     path.write_text(json.dumps(config))
     with pytest.raises(SkipKVError, match=r"policy.window"):
         run_eval(small(out, limit=2, policy_knobs={**small(out).policy_knobs, "window": 3}))
+
+
+def test_a_16bit_run_resumes_only_on_the_attention_it_began_with(tmp_path: Path, monkeypatch) -> None:
+    """bf16 decode attention rounds differently with each kernel and p.V dtype, so a bf16 run resumes only on the
+    one it recorded; a record from before `pv` existed ("grouped_fp32") is the grouped kernel with p.V in fp32."""
+    from skipkv import hardware
+
+    monkeypatch.setenv(hardware.SDPA_ENV, "0")
+    monkeypatch.delenv(hardware.PV_ENV, raising=False)
+    out = tmp_path / "run"
+    run_eval(small(out, limit=1, dtype="bf16"))
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    assert hardware.attention_kernel(config["environment"]["decode_attention_cpu"]) == ("grouped", "model")
+    config["environment"]["decode_attention_cpu"] = {"kernel": "grouped_fp32", "reason": "older record"}
+    path.write_text(json.dumps(config))
+    with pytest.raises(SkipKVError, match="p.V in fp32, this run would use grouped and model; resume it with "
+                                          "SKIPKV_DECODE_SDPA=0 SKIPKV_DECODE_PV=fp32"):
+        run_eval(small(out, limit=2, dtype="bf16"))
+    monkeypatch.setenv(hardware.PV_ENV, "fp32")
+    run_eval(small(out, limit=2, dtype="bf16"))  # the recorded kernel: resumes
+    assert len(records(out)) == 2
+    monkeypatch.setenv(hardware.SDPA_ENV, "1")
+    with pytest.raises(SkipKVError, match="resume it with SKIPKV_DECODE_SDPA=0"):
+        run_eval(small(out, limit=3, dtype="bf16"))
+    fp32 = tmp_path / "fp32"  # fp32 runs do not depend on the 16-bit kernel
+    run_eval(small(fp32, limit=1))
+    monkeypatch.setenv(hardware.PV_ENV, "model")
+    run_eval(small(fp32, limit=2))
+    assert len(records(fp32)) == 2

@@ -146,3 +146,49 @@ def test_bf16_decode_runs_the_chosen_kernel(monkeypatch, use_sdpa):
     monkeypatch.setattr(attn_F, "scaled_dot_product_attention", spy)
     generate(bundle, ["The quick brown fox"], SamplingParams(max_new_tokens=12, ignore_eos=True), make_policy("full"))
     assert (sum(1 for t in calls if t == 1) > 0) == (use_sdpa == "1")
+
+
+def test_decode_pv_default_override_and_record(monkeypatch):
+    monkeypatch.delenv(hardware.PV_ENV, raising=False)
+    assert hardware.decode_pv()[0] == "model"
+    assert hardware.environment()["decode_attention_cpu"]["pv"] == "model"
+    monkeypatch.setenv(hardware.PV_ENV, "fp32")
+    assert hardware.decode_pv() == ("fp32", "SKIPKV_DECODE_PV=fp32 (overridden)")
+    assert hardware.environment()["decode_attention_cpu"]["pv"] == "fp32"
+    monkeypatch.setenv(hardware.PV_ENV, "bf16")
+    with pytest.raises(SkipKVError, match="SKIPKV_DECODE_PV must be fp32 or model"):
+        hardware.decode_pv()
+    assert hardware.attention_kernel({"kernel": "grouped_fp32"}) == ("grouped", "fp32")
+
+
+@pytest.mark.parametrize("pv", ["model", "fp32"])
+@pytest.mark.parametrize("head_split", [False, True])
+def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, pv, head_split):
+    """A masked bf16 decode step (rows of different lengths) takes the grouped path; its output equals a naive
+    per-head computation with q.k and softmax in fp32 and p.V either on probabilities rounded to bf16 (default)
+    or on values converted to fp32. The two differ, so the test tells them apart."""
+    from skipkv import SamplingParams, generate, make_policy
+    from skipkv import attention as attn
+
+    monkeypatch.setenv(hardware.SDPA_ENV, "0")
+    monkeypatch.setenv(hardware.PV_ENV, pv)
+    bundle = load_model("random:qwen2", dtype="bf16")
+    seen = []
+    real = attn._probs_times_values
+
+    def spy(probs, value):
+        out = real(probs, value)
+        if value.dtype == torch.bfloat16:
+            rounded = torch.matmul(probs.to(torch.bfloat16), value)
+            exact = torch.matmul(probs, value.float()).to(torch.bfloat16)
+            naive = torch.matmul(probs.double(), value.double())  # the product itself, to bf16 rounding
+            assert torch.allclose(out.double(), naive, atol=2e-2, rtol=2e-2)
+            seen.append((torch.equal(out, rounded if pv == "model" else exact), torch.equal(rounded, exact)))
+        return out
+
+    monkeypatch.setattr(attn, "_probs_times_values", spy)
+    policy = make_policy("adakv", budget=8, window=2, prefill_window=4) if head_split else make_policy("full")
+    generate(bundle, ["The quick brown fox", "Once upon a time, in a land far away, there lived a"],
+             SamplingParams(max_new_tokens=6, ignore_eos=True), policy)
+    assert seen and all(ok for ok, _ in seen)
+    assert not all(same for _, same in seen)  # the two dtypes give different outputs on these steps

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from skipkv.cache.store import KVStore, to_device
-from skipkv.hardware import decode_sdpa
+from skipkv.hardware import decode_pv, decode_sdpa
 
 BACKEND = "skipkv"
 
@@ -177,8 +177,9 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     # Grouped attention: the G query heads of a kv head share one matmul against its keys. torch's SDPA with
     # `enable_gqa` and a mask falls back on CPU to a path that repeats K/V per query head, which made a decode
     # step 10x slower at 4K cached tokens (63 vs 6.3 ms per 24 layers, Qwen2.5-0.5B shape; see
-    # benchmarks/attention_gqa.py). Computed in fp32 like SDPA's math path: in bf16 the grouped GEMM rounds
-    # differently from transformers' per-head one, and greedy outputs drifted apart after ~90 tokens.
+    # benchmarks/attention_gqa.py). q.k and the softmax are computed in fp32: a bf16 q.k rounds the logits, and
+    # greedy outputs drifted apart from transformers' after ~90 tokens. p.V takes the probabilities in the model's
+    # dtype, as torch's fused CPU kernel does (_probs_times_values).
     G = Hq // H
     scale = scaling if scaling is not None else D**-0.5
     # [B, H, G*T, K]
@@ -191,8 +192,18 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         real_q = torch.arange(T, device=query.device)[None, :] < to_device(ctx.real, query.device)[:, None]  # [B, T]
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
         ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
-    out = torch.matmul(probs.view(B, H, G * T, K), value.float()).view(B, Hq, T, D).to(value.dtype)
+    out = _probs_times_values(probs.view(B, H, G * T, K), value).view(B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _probs_times_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """fp32 probabilities [.., M, K] x values [.., K, D] in the values' dtype. A 16-bit model's probabilities are
+    rounded to its dtype and multiplied with the stored values as they are, as torch's fused CPU kernel does
+    (fp32 accumulation inside the gemm; hardware.decode_pv: `SKIPKV_DECODE_PV=fp32` converts the values instead).
+    fp32 and fp64 models multiply in their own dtype, exactly as before."""
+    if value.dtype in (torch.float32, torch.float64) or decode_pv()[0] == "fp32":
+        return torch.matmul(probs, value.to(probs.dtype)).to(value.dtype)
+    return torch.matmul(probs.to(value.dtype), value)
 
 
 def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: torch.Tensor,
@@ -201,7 +212,7 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
     with its G query heads. query [B, Hq, T, D]; key/value [B, H, T, D] are this forward's new entries only
     (SlotCache.update wrote them into the units). Returns ([B, T, Hq, D], None). The same arithmetic as the
     uniform path, one kv head at a time: fused SDPA where every key is visible and the uniform path would take it
-    (fp64, or 16-bit where hardware.decode_sdpa says it is faster), else the grouped fp32 matmul with the unit's
+    (fp64, or 16-bit where hardware.decode_sdpa says it is faster), else the grouped matmuls with the unit's
     mask."""
     if ctx.accumulate:
         raise RuntimeError("accumulated attention (store aux 'attn') is not kept in a head-split store")
@@ -231,7 +242,7 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         if mask is not None:
             logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        outs.append(torch.matmul(probs.view(B, 1, G * T, K), v.float()).view(B, G, T, D).to(v.dtype))
+        outs.append(_probs_times_values(probs.view(B, 1, G * T, K), v).view(B, G, T, D))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 

@@ -23,6 +23,14 @@ with AVX512-BF16, bf16, 2 threads, per layer: 0.159 vs 0.081 ms at batch 1 and 1
 keys, 2.20 vs 0.24 ms at batch 16), so there the engine's grouped fp32 attention runs instead. The two round
 differently, so the choice is recorded (`SKIPKV_DECODE_SDPA=1|0` overrides it).
 
+Probabilities x V in the grouped path (`decode_pv`): q.k and the softmax run in fp32 (the logits of a bf16 q.k would
+be rounded to bf16); the probabilities are then rounded to the model's 16-bit dtype and multiplied with the 16-bit
+values directly, as torch's fused CPU kernel does (its p.V gemm takes the probabilities in the input dtype). That
+skips converting every cached value to fp32 in every layer and step: at batch 64 and 288 keys (R-KV 256 under a
+1 GiB cap) the grouped attention took 1.93 instead of 3.34 ms per layer on a 2-core EPYC with AVX512-BF16
+(benchmarks/attention_batch64_probe.py). fp32 and fp64 models are unaffected. `SKIPKV_DECODE_PV=fp32` keeps the
+older all-fp32 product (runs begun with it resume only with it: eval/rundir.py compares the kernel of 16-bit runs).
+
 Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
 weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
 (figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides.
@@ -51,6 +59,7 @@ from skipkv.errors import SkipKVError
 OVERRIDE_ENV = "SKIPKV_CPU_BF16"
 SDPA_ENV = "SKIPKV_DECODE_SDPA"
 PACK_ENV = "SKIPKV_PACKED_LINEARS"
+PV_ENV = "SKIPKV_DECODE_PV"
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 _PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
 
@@ -137,6 +146,30 @@ def decode_sdpa(device: torch.device | str = "cpu") -> tuple[bool, str]:
     """Whether a 16-bit decode step whose queries see every key runs torch's fused SDPA (True) or the engine's
     grouped fp32 attention (False) on this machine, and why (module docstring). Cached: called per layer."""
     return _decode_sdpa(torch.device(device).type, os.environ.get(SDPA_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _decode_pv(forced: str | None) -> tuple[str, str]:
+    if forced is None:
+        return "model", "probabilities rounded to the model's dtype for p.V, as torch's fused CPU kernel does"
+    if forced not in ("fp32", "model"):
+        raise SkipKVError(f"{PV_ENV} must be fp32 or model, got {forced!r}")
+    return forced, f"{PV_ENV}={forced} (overridden)"
+
+
+def decode_pv() -> tuple[str, str]:
+    """The dtype of the grouped attention's probabilities x V product for a 16-bit model: "model" (the default:
+    probabilities rounded to the model's dtype) or "fp32" (values converted to fp32), and why (module docstring).
+    Cached: called per layer."""
+    return _decode_pv(os.environ.get(PV_ENV))
+
+
+def attention_kernel(record: dict[str, Any] | None) -> tuple[str, str]:
+    """(kernel, p.V dtype) from an environment record's `decode_attention_cpu`; records written before `pv` existed
+    ran p.V in fp32 ("grouped_fp32")."""
+    record = record or {}
+    kernel = record.get("kernel", "<absent>")
+    return ("grouped" if kernel == "grouped_fp32" else kernel), record.get("pv", "fp32")
 
 
 def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
@@ -230,7 +263,9 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
     if dtype_choice is not None:
         env["dtype_choice"] = asdict(dtype_choice)
     sdpa, why = decode_sdpa("cpu")
-    env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped_fp32", "reason": why}
+    pv, pv_why = decode_pv()
+    env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped", "reason": why,
+                                   "pv": pv, "pv_reason": pv_why}
     packed, why = packed_linears(torch.bfloat16, "cpu")
     env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
     return env
@@ -240,4 +275,4 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")),
-                      "decode_sdpa_cpu": decode_sdpa("cpu")}, indent=2))
+                      "decode_sdpa_cpu": decode_sdpa("cpu"), "decode_pv": decode_pv()}, indent=2))

@@ -24,7 +24,8 @@ directory is used again; any difference is a SkipKVError, so one directory never
 Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
 --samples extends a run, and in fp32/fp64 batch size does not change tokens (the engine's batch == singles
 invariant; in bf16/fp16 a padded row rounds differently, so there batch_size is compared) —
-and environment {git_revision, git_dirty, versions, machine, created}.
+and environment {git_revision, git_dirty, versions, machine, created}, except that a 16-bit CPU run resumes
+only on the decode attention it recorded (environment.decode_attention_cpu: kernel and p.V dtype).
 
 records.jsonl — one JSON object per finished (id, sample), appended, flushed and fsynced as it finishes:
   id, sample, seed               example id, sample index (0..samples-1), the sampling seed it used
@@ -129,6 +130,24 @@ def _unrecorded_defaults_dropped(old: Any, new: Any) -> Any:
     return {k: v for k, v in new.items() if k in old or k not in defaults or jsonable(defaults[k]) != v}
 
 
+def _check_attention_kernel(out: Path, old: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """A 16-bit CPU run resumes only on the decode attention it began with (hardware.decode_sdpa, decode_pv): the
+    kernels round differently, so a change of processor or default mid-run would mix two computations in one
+    cell. Runs whose record predates the kernel's are not checked."""
+    from skipkv.hardware import PV_ENV, SDPA_ENV, attention_kernel
+
+    if config.get("dtype") not in ("bf16", "fp16") or not str(config.get("device", "cpu")).startswith("cpu"):
+        return
+    recorded = (old.get("environment") or {}).get("decode_attention_cpu")
+    if not recorded:
+        return
+    was, now = attention_kernel(recorded), attention_kernel(config["environment"].get("decode_attention_cpu"))
+    if was != now:
+        raise SkipKVError(
+            f"{out} was run with decode attention {was[0]} and p.V in {was[1]}, this run would use {now[0]} and "
+            f"{now[1]}; resume it with {SDPA_ENV}={int(was[0] == 'sdpa')} {PV_ENV}={was[1]}, or use another --out")
+
+
 def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
     path = out / CONFIG_FILE
     if path.exists():
@@ -142,6 +161,7 @@ def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
         if diffs:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
             raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
+        _check_attention_kernel(out, old, config)
         return
     write_json(path, config)
 
