@@ -27,9 +27,9 @@ Probabilities x V in the grouped path (`decode_pv`): q.k and the softmax run in 
 be rounded to bf16); the probabilities are then rounded to the model's 16-bit dtype and multiplied with the 16-bit
 values directly, as torch's fused CPU kernel does (its p.V gemm takes the probabilities in the input dtype). That
 skips converting every cached value to fp32 in every layer and step. On a 2-core EPYC with AVX512-BF16, at batch 64
-and 288 keys (R-KV 256 under a 1 GiB cap), the product alone took 0.6 instead of 1.1 ms per layer on random tensors
-(benchmarks/attention_batch64_probe.py), and ~17 instead of ~21 ms per 24-layer decode step inside the engine: a
-small gain (A/B step times, benchmarks/decode_pv_ab.py, stayed within the machine's noise). The default follows the
+and 288 keys (R-KV 256 under a 1 GiB cap), the product alone took 0.25 instead of 0.56 ms per layer on random
+contiguous tensors (benchmarks/attention_batch64_probe.py); whole decode steps gained little (A/B step times,
+benchmarks/decode_pv_ab.py: 1.040x, 0.944x, 0.977x in three runs, within the machine's noise). The default follows the
 fused kernel's numerics as much as its speed. fp32 and fp64 models are unaffected. `SKIPKV_DECODE_PV=fp32` keeps the
 older all-fp32 product (runs begun with it resume only with it: eval/rundir.py compares the kernel of 16-bit runs).
 
