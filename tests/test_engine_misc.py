@@ -7,7 +7,7 @@ import torch
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate
 from skipkv.config import EngineConfig
-from skipkv.engine.sampler import filter_logits
+from skipkv.engine.sampler import filter_logits, greedy_tokens, sample
 from skipkv.steering.hook import ResidualAdd
 
 
@@ -61,6 +61,34 @@ def test_filter_logits_matches_reference():
         got = filter_logits(logits, SP(temperature=0.7, top_k=top_k, top_p=top_p))
         kept = {i for i, v in enumerate(got.tolist()) if v != float("-inf")}
         assert kept == ref_filter(logits, 0.7, top_k, top_p)
+
+
+def test_greedy_pick_is_the_first_largest_logit_in_any_dtype():
+    """The greedy pick reads 16-bit logits as they are: it must be the first index of the largest value, as
+    `float().argmax()` gives, including the ties that bf16's rounding makes common."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(-6, 6, (16, 300), generator=g).float() / 4  # few distinct values: many tied maxima
+    base[3] = 1.5  # a row that is all one value
+    base[5, 7] = base[5, 290] = 9.0  # two tied maxima far apart
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = base.to(dtype) + torch.randn(16, 300, generator=g).to(dtype) * 1e-3 * (dtype == torch.float32)
+        want = [max(range(300), key=lambda j, row=row: (row[j], -j)) for row in logits.float().tolist()]
+        assert greedy_tokens(logits).tolist() == want, dtype
+        assert greedy_tokens(logits).tolist() == logits.float().argmax(dim=-1).tolist()
+
+
+def test_sampled_rows_draw_the_same_from_16bit_logits():
+    """A sampled row is converted to fp32 before filtering: bf16 logits give the draw their fp32 copy gives."""
+    from types import SimpleNamespace
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    sps = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=7),
+           SamplingParams(max_new_tokens=4, temperature=1.3, top_k=5, seed=3)]
+    def draw(x):
+        reqs = [SimpleNamespace(sampling=sp, generator=None if sp.greedy else torch.Generator().manual_seed(sp.seed))
+                for sp in sps]  # what sample() reads of a Request
+        return [sample(x, reqs) for _ in range(5)]
+    assert draw(logits) == draw(logits.float())
 
 
 def test_residual_add_hook(tiny):

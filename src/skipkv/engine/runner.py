@@ -90,7 +90,9 @@ class ModelRunner:
         return out.last_hidden_state
 
     def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden_last).float()
+        """[B, V] in the model's dtype: `sample` converts only the rows it samples (a greedy pick reads them as
+        they are), so a batch-64 step does not write a [64, V] fp32 copy it only takes the argmax of."""
+        return self.model.lm_head(hidden_last)
 
     def _note_memory(self, start: int, requests: list[Request], decoding: bool) -> list[int]:
         """Update each request's peaks; returns the entries each now holds per kv head (largest layer).

@@ -29,12 +29,19 @@ def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return x
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest logit: `logits.float().argmax(-1)`, read in the logits' own dtype
+    (widening to fp32 is exact, so the largest entries and their order are the same). `max(dim)` rather than
+    `argmax`: both return the first maximal index, and on a 16-bit CPU tensor `max` is ~3x faster; skipping the
+    fp32 copy of a [64, 151936] row block saves ~15 ms of a ~320 ms batch-64 step (benchmarks/greedy_pick.py)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [B, V] -> one token per request."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1).tolist()
+    """logits [B, V] (any float dtype) -> one token per request. Sampled rows are converted to fp32 first."""
+    tokens = greedy_tokens(logits).tolist()
     for i, r in enumerate(requests):
         if not r.sampling.greedy:
-            probs = torch.softmax(filter_logits(logits[i], r.sampling), dim=-1)
+            probs = torch.softmax(filter_logits(logits[i].float(), r.sampling), dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator))
     return tokens
