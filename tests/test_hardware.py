@@ -192,3 +192,71 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
              SamplingParams(max_new_tokens=6, ignore_eos=True), policy)
     assert seen and all(ok for ok, _ in seen)
     assert not all(same for _, same in seen)  # the two dtypes give different outputs on these steps
+
+
+class FakeLibc:
+    def __init__(self, accept: bool = True):
+        self.calls: list[tuple[int, int]] = []
+        self.accept = accept
+
+    def mallopt(self, param, value):
+        self.calls.append((param, getattr(value, "value", value)))
+        return 1 if self.accept else 0
+
+
+@pytest.mark.parametrize("env, libc, mode", [(None, "glibc", "glibc-heap"), ("heap", "glibc", "glibc-heap"),
+                                             ("system", "glibc", "system"), (None, None, "system"),
+                                             (None, "refuses", "system")])
+def test_tune_allocator_follows_the_platform_and_the_override(monkeypatch, env, libc, mode):
+    fake = FakeLibc(accept=libc != "refuses")
+    monkeypatch.setattr(hardware, "_glibc", lambda: None if libc is None else fake)
+    monkeypatch.setattr(hardware, "_allocator", {"mode": "system", "reason": "not tuned"})
+    if env is None:
+        monkeypatch.delenv(hardware.MALLOC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(hardware.MALLOC_ENV, env)
+    got = hardware.tune_allocator()
+    assert got["mode"] == mode and hardware.environment()["allocator"] == got
+    if mode == "glibc-heap":  # no mmap-served chunks, no trimming, a 64 MiB top pad
+        assert dict(fake.calls) == {-4: 0, -1: 2**31 - 1, -2: 64 << 20}
+    elif env == "system" or libc is None:
+        assert fake.calls == []
+    monkeypatch.setenv(hardware.MALLOC_ENV, "mmap")
+    monkeypatch.setattr(hardware, "_allocator", {"mode": "system", "reason": "not tuned"})
+    with pytest.raises(SkipKVError, match="SKIPKV_MALLOC must be heap or system"):
+        hardware.tune_allocator()
+
+
+FAULTS = """
+import resource, sys, torch
+from skipkv.models import load_model
+from skipkv.hardware import environment
+load_model("random:qwen2")  # tunes the allocator unless SKIPKV_MALLOC=system
+def faults_of(fn):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+x = torch.ones(64 << 18)  # 64 MiB
+del x
+print(environment()["allocator"]["mode"], faults_of(lambda: torch.ones(64 << 18)))
+"""
+
+
+@pytest.mark.skipif(hardware._glibc() is None, reason="the tuning is glibc's")
+def test_a_freed_large_block_is_reused_without_page_faults():
+    """What the tuning is for: a 64 MiB tensor allocated again after a free touches memory the process already has.
+    With glibc's defaults it is a fresh mmap, every 4 KiB page faulted in again (16,384 faults)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(mode):
+        env = {**os.environ, hardware.MALLOC_ENV: mode}
+        out = subprocess.run([sys.executable, "-c", FAULTS], env=env, capture_output=True, text=True, check=True)
+        name, faults = out.stdout.split()
+        return name, int(faults)
+
+    tuned, system = run("heap"), run("system")
+    assert tuned[0] == "glibc-heap" and system[0] == "system"
+    assert system[1] > 8000, system  # (transparent huge pages, if forced on, would make this smaller)
+    assert tuned[1] < system[1] / 10, (tuned, system)

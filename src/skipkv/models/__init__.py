@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import torch
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import DtypeChoice, packed_linears, resolve_auto
+from skipkv.hardware import DtypeChoice, packed_linears, resolve_auto, tune_allocator
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -160,6 +160,8 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     dtype "auto" (the default) is bf16 on CUDA and on CPUs with native bf16 matmul, fp32 elsewhere
     (`skipkv.hardware`); the bundle's `dtype_choice` records what was picked and why."""
     check_device(device)
+    if torch.device(device).type == "cpu":
+        tune_allocator()  # before the weights and every activation (hardware.py: freed memory stays for reuse)
     choice = None
     if isinstance(dtype, str):
         dtype, choice = resolve_auto(dtype, device)
