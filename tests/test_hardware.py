@@ -195,13 +195,14 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
 
 
 class FakeLibc:
-    def __init__(self, accept: bool = True):
+    def __init__(self, accept: bool | set[int] = True):
         self.calls: list[tuple[int, int]] = []
         self.accept = accept
 
     def mallopt(self, param, value):
         self.calls.append((param, getattr(value, "value", value)))
-        return 1 if self.accept else 0
+        ok = param in self.accept if isinstance(self.accept, set) else self.accept
+        return 1 if ok else 0
 
 
 @pytest.mark.parametrize("env, libc, mode", [(None, "glibc", "glibc-heap"), ("heap", "glibc", "glibc-heap"),
@@ -225,6 +226,14 @@ def test_tune_allocator_follows_the_platform_and_the_override(monkeypatch, env, 
     monkeypatch.setattr(hardware, "_allocator", {"mode": "system", "reason": "not tuned"})
     with pytest.raises(SkipKVError, match="SKIPKV_MALLOC must be heap or system"):
         hardware.tune_allocator()
+
+
+def test_a_partly_refused_tuning_is_recorded_as_it_is(monkeypatch):
+    monkeypatch.setattr(hardware, "_glibc", lambda: FakeLibc(accept={-4}))  # only M_MMAP_MAX
+    monkeypatch.setattr(hardware, "_allocator", {"mode": "system", "reason": "not tuned"})
+    monkeypatch.delenv(hardware.MALLOC_ENV, raising=False)
+    got = hardware.tune_allocator()
+    assert got["mode"] == "glibc-partial" and "M_MMAP_MAX=0" in got["reason"] and "TRIM" not in got["reason"]
 
 
 FAULTS = """

@@ -242,12 +242,18 @@ def tune_allocator() -> dict[str, Any]:
         return dict(_allocator)
     import ctypes
 
-    ok = (libc.mallopt(_M_MMAP_MAX, 0) == 1
-          and libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1)) == 1
-          and libc.mallopt(_M_TOP_PAD, _TOP_PAD) == 1)
-    _allocator = ({"mode": "glibc-heap", "reason": "glibc: freed memory kept in the heap (mallopt M_MMAP_MAX=0, "
-                                                   "M_TRIM_THRESHOLD=2^31-1, M_TOP_PAD=64 MiB)"}
-                  if ok else {"mode": "system", "reason": "glibc refused mallopt: left alone"})
+    accepted = {name: libc.mallopt(param, value) == 1
+                for name, param, value in (("M_MMAP_MAX=0", _M_MMAP_MAX, 0),
+                                           ("M_TRIM_THRESHOLD=2^31-1", _M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1)),
+                                           ("M_TOP_PAD=64 MiB", _M_TOP_PAD, _TOP_PAD))}
+    if all(accepted.values()):
+        _allocator = {"mode": "glibc-heap",
+                      "reason": f"glibc: freed memory kept in the heap (mallopt {', '.join(accepted)})"}
+    elif not any(accepted.values()):
+        _allocator = {"mode": "system", "reason": "glibc refused mallopt: left alone"}
+    else:  # what is in force is recorded as it is
+        _allocator = {"mode": "glibc-partial", "reason": "glibc accepted only mallopt "
+                      + ", ".join(k for k, ok in accepted.items() if ok)}
     return dict(_allocator)
 
 
