@@ -13,7 +13,8 @@ import json
 
 
 def tokens_at(points: list[tuple[float, float]], t: float) -> float:
-    """Cumulative tokens at time t, linear between timeline points; 0 before the first, flat after the last."""
+    """Cumulative tokens at time t, linear between timeline points (and from 0 tokens at 0 s to the first point),
+    flat after the last."""
     if t <= points[0][0]:
         return points[0][1] * t / points[0][0] if points[0][0] > 0 else points[0][1]
     for (t0, n0), (t1, n1) in zip(points, points[1:]):
@@ -40,8 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     spans = [tuple(float(x) for x in s.split(":")) for s in (args.span or ["200:470", "560:960"])]
     report = json.load(open(args.json))
-    rows = [phases(run, spans) for run in report["runs"]]  # type: ignore[arg-type]
-    for row in rows:
+    for row in (phases(run, spans) for run in report["runs"]):
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}))
 
 
