@@ -4,6 +4,7 @@ the engine's own Python, from torch.profiler over N steps of a full-cache reques
     python benchmarks/profile_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 32] [--out FILE.json]
     python benchmarks/profile_step.py --batch 64 --prompt-tokens 512 --policy rkv:budget=256,interval=32 \
         --warmup 40 --steps 64          # a compressing policy in its steady state (a compression row is added)
+    python benchmarks/profile_step.py ... --top 25                   # and the aten ops with the most self time
 
 --prompt-tokens N replaces the GSM8K question by N random tokens (the synthetic workload's generator);
 --policy takes a `name[:knob=value,...]` spec; --warmup is the steps run before any timing (prefill included).
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--policy", default="full", help="policy spec, e.g. rkv:budget=256,interval=32")
     ap.add_argument("--prompt-tokens", type=int, help="N random prompt tokens instead of the GSM8K question")
     ap.add_argument("--warmup", type=int, default=16, help="steps before timing (prefill included)")
+    ap.add_argument("--top", type=int, default=0, help="also print the N aten ops with the most self CPU time")
     ap.add_argument("--out")
     args = ap.parse_args()
     threads = set_threads(args.threads)
@@ -164,6 +166,15 @@ def main() -> None:
     for k, v in rows.items():
         print(f"{k:72s} {v:8.2f} {v / step_ms:7.1%}")
     print(f"{'engine.step() under the profiler':72s} {step_ms:8.2f}")
+    top = []
+    if args.top:
+        ops = [e for e in prof.key_averages() if not e.key.startswith("step/")]
+        ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        top = [{"op": e.key, "calls_per_step": e.count / n, "self_ms_per_step": e.self_cpu_time_total / 1e3 / n}
+               for e in ops[:args.top]]
+        print(f"{'aten op (self CPU time)':60s} {'calls/step':>10s} {'ms/step':>8s}")
+        for t in top:
+            print(f"{t['op'][:60]:60s} {t['calls_per_step']:10.1f} {t['self_ms_per_step']:8.2f}")
     print(f"step wall without hooks/profiler: median {statistics.median(plain) * 1e3:.2f} ms; "
           f"with: median {statistics.median(walls) * 1e3:.2f} ms ({threads} threads, {bundle.dtype})")
     if args.out:
@@ -171,7 +182,7 @@ def main() -> None:
             json.dump({"model": args.model, "dtype": str(bundle.dtype), "threads": threads, "steps": n,
                        "batch": args.batch, "policy": args.policy,
                        "prompt_tokens": args.prompt_tokens, "warmup": args.warmup,
-                       "rows_ms": rows, "step_ms_profiled": step_ms,
+                       "rows_ms": rows, "top_ops": top, "step_ms_profiled": step_ms,
                        "step_ms_plain_median": statistics.median(plain) * 1e3,
                        "environment": environment(bundle.dtype_choice)}, f, indent=1)
 
