@@ -176,8 +176,8 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
     seen = []
     real = attn._probs_times_values
 
-    def spy(probs, value):
-        out = real(probs, value)
+    def spy(probs, value, room=None):
+        out = real(probs, value, room)  # over key buckets where the probe allows: the bits must not change
         if value.dtype == torch.bfloat16:
             rounded = torch.matmul(probs.to(torch.bfloat16), value)
             exact = torch.matmul(probs, value.float()).to(torch.bfloat16)
@@ -192,6 +192,78 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
              SamplingParams(max_new_tokens=6, ignore_eos=True), policy)
     assert seen and all(ok for ok, _ in seen)
     assert not all(same for _, same in seen)  # the two dtypes give different outputs on these steps
+
+
+def test_key_bucket():
+    buckets = [hardware.key_bucket(k) for k in range(1, 20000)]
+    assert all(b >= k for k, b in enumerate(buckets, 1))
+    assert all(b % 64 == 0 for b in buckets)
+    assert all(b - k < 64 for k, b in enumerate(buckets[:1024], 1))  # multiples of 64 up to 1,024 keys
+    assert all(b <= k * 1.125 for k, b in enumerate(buckets, 1) if k > 1024)
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) == 16 + 8 * 4 + 2  # up to 1,024; four octaves of 8; 16,385..19,999 in steps of 2,048
+    assert [hardware.key_bucket(k) for k in (64, 65, 1025, 2049, 8193)] == [64, 128, 1152, 2304, 9216]
+
+
+def test_pv_buckets_probe_override_and_record(monkeypatch):
+    monkeypatch.delenv(hardware.BUCKET_ENV, raising=False)
+    hardware._pv_buckets.cache_clear()
+    ok, why = hardware.pv_buckets(torch.bfloat16)
+    assert ok == hardware._padding_is_exact(torch.bfloat16) and "probe" in why
+    assert hardware.environment()["decode_attention_cpu"]["pv_key_buckets_bf16"] == ok
+    assert hardware.pv_buckets(torch.float16) == (False, "float16: key buckets are used for bf16 only")
+    monkeypatch.setattr(hardware, "_padding_is_exact", lambda dtype: False)
+    hardware._pv_buckets.cache_clear()
+    assert hardware.pv_buckets(torch.bfloat16) == (False, "padded keys changed the bits in a probe of this machine's "
+                                                          "matmul")
+    monkeypatch.setenv(hardware.BUCKET_ENV, "1")
+    assert hardware.pv_buckets(torch.bfloat16) == (True, "SKIPKV_DECODE_PV_BUCKETS=1 (overridden)")
+    monkeypatch.setenv(hardware.BUCKET_ENV, "yes")
+    with pytest.raises(SkipKVError, match="SKIPKV_DECODE_PV_BUCKETS must be 0 or 1"):
+        hardware.pv_buckets(torch.bfloat16)
+    hardware._pv_buckets.cache_clear()
+
+
+@pytest.mark.parametrize("policy", ["full", "pyramidkv"])
+def test_bf16_p_v_runs_over_key_buckets(monkeypatch, policy):
+    """With key buckets on, every 16-bit p.V of a decode step multiplies over a bucketed key count of the store (a
+    growing cache, and layers that keep different counts, reuse shapes); off, over the exact count. The tokens are
+    the same (the bits are: test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype)."""
+    from skipkv import SamplingParams, generate, make_policy
+    from skipkv import attention as attn
+
+    monkeypatch.setenv(hardware.SDPA_ENV, "0")
+    monkeypatch.setenv(hardware.PV_ENV, "model")
+    bundle = load_model("random:qwen2", dtype="bf16")
+    real_matmul, real_pv = torch.matmul, attn._probs_times_values
+    seen: list[tuple[int, int, int]] = []  # (keys, store capacity, keys the product ran over)
+
+    def matmul(a, b, *args, **kw):
+        if a.dtype == b.dtype == torch.bfloat16 and b.dim() == 4:  # probabilities x values [B, H, keys, D]
+            seen[-1] = seen[-1][:2] + (b.shape[-2],)
+        return real_matmul(a, b, *args, **kw)
+
+    def pv(probs, value, room=None):
+        seen.append((value.shape[-2], room.shape[-2], -1))
+        return real_pv(probs, value, room)
+
+    monkeypatch.setattr(attn.torch, "matmul", matmul)
+    monkeypatch.setattr(attn, "_probs_times_values", pv)
+    tokens = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(hardware.BUCKET_ENV, on)
+        seen.clear()
+        out = generate(bundle, ["The quick brown fox", "Once upon a time, in a land far away, there lived a " * 6],
+                       SamplingParams(max_new_tokens=40, ignore_eos=True),
+                       make_policy(policy, **({"budget": 24, "prefill_window": 4} if policy != "full" else {})))
+        tokens[on] = [o.token_ids for o in out]
+        assert seen
+        if on == "1":
+            assert all(ran == min(hardware.key_bucket(k), cap) for k, cap, ran in seen)
+            assert any(ran > k for k, _, ran in seen)
+        else:
+            assert all(ran == k for k, _, ran in seen)
+    assert tokens["1"] == tokens["0"]
 
 
 class FakeLibc:
@@ -249,8 +321,9 @@ def cycles():  # what a decode loop does: the same large blocks allocated, used 
     for _ in range(4):
         x = torch.ones(64 << 18)  # 64 MiB
         del x
+mode = environment()["allocator"]["mode"]  # first: the record's own allocations must not land between the cycles
 cycles()  # the heap grows to what the cycle needs (where a freed block sits decides whether the next one fits it)
-print(environment()["allocator"]["mode"], faults_of(cycles))
+print(mode, faults_of(cycles))
 """
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from skipkv.cache.store import KVStore, to_device
-from skipkv.hardware import decode_pv, decode_sdpa
+from skipkv.hardware import decode_pv, decode_sdpa, key_bucket, pv_buckets
 
 BACKEND = "skipkv"
 
@@ -192,17 +192,32 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         real_q = torch.arange(T, device=query.device)[None, :] < to_device(ctx.real, query.device)[:, None]  # [B, T]
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
         ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
-    out = _probs_times_values(probs.view(B, H, G * T, K), value).view(B, Hq, T, D)
+    room = ctx.store.v[layer][ctx.start:ctx.start + B]
+    out = _probs_times_values(probs.view(B, H, G * T, K), value, room).view(B, Hq, T, D)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _probs_times_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 probabilities [.., M, K] x values [.., K, D] in the values' dtype. A 16-bit model's probabilities are
     rounded to its dtype and multiplied with the stored values as they are, as torch's fused CPU kernel does
     (fp32 accumulation inside the gemm; hardware.decode_pv: `SKIPKV_DECODE_PV=fp32` converts the values instead).
-    fp32 and fp64 models multiply in their own dtype, exactly as before."""
+    fp32 and fp64 models multiply in their own dtype, exactly as before.
+
+    `room`: the store rows `value` is the first K entries of ([.., capacity, D], same storage and strides). A 16-bit
+    product then runs over key_bucket(K) keys (capped at the capacity), the probabilities past K being zeros: oneDNN
+    creates a primitive for every new 16-bit matmul shape and caches it by shape, paid at every step (the cache
+    grows by one entry) and, where layers keep different counts (LaProx, PyramidKV, head-split), in every layer
+    (hardware.pv_buckets: the costs, and the probe that turns it on only where the bits stay the same). The zero
+    columns add exact zeros to every sum: the store is zero-filled and holds only finite values."""
     if value.dtype in (torch.float32, torch.float64) or decode_pv()[0] == "fp32":
         return torch.matmul(probs, value.to(probs.dtype)).to(value.dtype)
+    K = value.shape[-2]
+    if room is not None and room.data_ptr() == value.data_ptr() and room.stride() == value.stride():
+        padded = min(key_bucket(K), room.shape[-2]) if pv_buckets(value.dtype)[0] else K
+        if padded > K:
+            p = probs.new_zeros(*probs.shape[:-1], padded, dtype=value.dtype)
+            p[..., :K] = probs
+            return torch.matmul(p, room[..., :padded, :])
     return torch.matmul(probs.to(value.dtype), value)
 
 
@@ -242,7 +257,7 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         if mask is not None:
             logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        outs.append(_probs_times_values(probs.view(B, 1, G * T, K), v).view(B, G, T, D))
+        outs.append(_probs_times_values(probs.view(B, 1, G * T, K), v, store.v[u][s0:s0 + B]).view(B, G, T, D))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 

@@ -33,6 +33,19 @@ benchmarks/decode_pv_ab.py: 1.040x, 0.944x, 0.977x in three runs, within the mac
 fused kernel's numerics as much as its speed. fp32 and fp64 models are unaffected. `SKIPKV_DECODE_PV=fp32` keeps the
 older all-fp32 product (runs begun with it resume only with it: eval/rundir.py compares the kernel of 16-bit runs).
 
+Key buckets for the 16-bit p.V (`pv_buckets`): oneDNN creates a primitive for every new shape of a 16-bit matmul and
+caches it by shape. A decode step's p.V has a new key count at every step (the cache grows by one entry), and in every
+layer where layers keep different counts (LaProx, PyramidKV, head-split stores). On a 2-core EPYC a new shape cost
+~1 ms at batch 1 and ~28 ms at batch 64, against 0.1 and 1 ms for a cached one (`python benchmarks/bmm_shapes.py`).
+The product therefore runs over key_bucket(K) keys of the store, zero probabilities past K: the padding adds exact
+zeros to every sum, and a probe at first use checks that this machine's matmul gives the same bits with it on ~80
+decode-step shapes; where it does not, the padding is off. On the EPYC bf16 gave the same bits on all 1,163 shapes of
+`python benchmarks/pv_padding_bits.py`, fp16 not on 130 of them (a probe of 8 shapes had missed it), so the padding
+is for bf16 only (what `auto` picks), whatever a probe says. Decode step on a 2,048-token prompt,
+fresh processes, two rounds each: LaProx (10%) at batch 1 112.4 -> 76.4 ms (0.68x), full cache at batch 1 83.5 ->
+72.1 ms (0.86x), full cache at batch 16 0.98x (`python benchmarks/pv_buckets_ab.py`). `SKIPKV_DECODE_PV_BUCKETS=0|1`
+overrides the probe.
+
 Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
 weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
 (figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides.
@@ -74,6 +87,7 @@ OVERRIDE_ENV = "SKIPKV_CPU_BF16"
 SDPA_ENV = "SKIPKV_DECODE_SDPA"
 PACK_ENV = "SKIPKV_PACKED_LINEARS"
 PV_ENV = "SKIPKV_DECODE_PV"
+BUCKET_ENV = "SKIPKV_DECODE_PV_BUCKETS"
 MALLOC_ENV = "SKIPKV_MALLOC"
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 _PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
@@ -177,6 +191,54 @@ def decode_pv() -> tuple[str, str]:
     probabilities rounded to the model's dtype) or "fp32" (values converted to fp32), and why (module docstring).
     Cached: called per layer."""
     return _decode_pv(os.environ.get(PV_ENV))
+
+
+def key_bucket(keys: int) -> int:
+    """`keys` rounded up to its bucket: a multiple of 64 up to 1,024 keys, then of 1/16 of the power of two at or
+    above it (at most 1/8 more keys), so that a cache growing by one entry per step, or layers and heads that keep
+    different counts, reuse a few product shapes instead of making a new one at every call (`pv_buckets`)."""
+    step = max(64, 1 << max(0, (keys - 1).bit_length() - 4))
+    return -(-keys // step) * step
+
+
+# (batch x kv heads, query rows per kv head, keys): decode-step shapes, ~80 of them (~0.2 s once per process)
+_PROBE_SHAPES = tuple((2, 7, k) for k in range(1, 1200, 17)) + (
+    (2, 7, 1500), (2, 7, 2100), (2, 7, 3000), (2, 7, 4500), (2, 56, 999), (64, 7, 257), (64, 7, 300), (16, 1, 700))
+
+
+def _padding_is_exact(dtype: torch.dtype) -> bool:
+    """Whether a `dtype` batched matmul of probabilities x values gives the same bits when the keys are padded to
+    key_bucket with zero probabilities, on a few shapes of the decode step's kind (a few ms, once per process)."""
+    gen = torch.Generator().manual_seed(0)
+    for bh, m, k in _PROBE_SHAPES:
+        padded = key_bucket(k)
+        values = torch.randn(bh, padded, 64, generator=gen).to(dtype)
+        probs = torch.softmax(torch.randn(bh, m, k, generator=gen) * 3, dim=-1).to(dtype)
+        wide = probs.new_zeros(bh, m, padded)
+        wide[..., :k] = probs
+        if not torch.equal(torch.bmm(probs, values[:, :k]), torch.bmm(wide, values)):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def _pv_buckets(dtype: torch.dtype, forced: str | None) -> tuple[bool, str]:
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise SkipKVError(f"{BUCKET_ENV} must be 0 or 1, got {forced!r}")
+        return forced == "1", f"{BUCKET_ENV}={forced} (overridden)"
+    if dtype != torch.bfloat16:
+        return False, f"{str(dtype).removeprefix('torch.')}: key buckets are used for bf16 only"
+    if _padding_is_exact(dtype):
+        return True, "padded keys gave identical bits in a probe of this machine's matmul"
+    return False, "padded keys changed the bits in a probe of this machine's matmul"
+
+
+def pv_buckets(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the grouped attention's 16-bit p.V runs over key_bucket(K) keys (zero probabilities past K) instead
+    of K, and why (module docstring): on by a probe that the padding leaves the bits unchanged on this machine.
+    Cached: called per layer."""
+    return _pv_buckets(dtype, os.environ.get(BUCKET_ENV))
 
 
 def attention_kernel(record: dict[str, Any] | None) -> tuple[str, str]:
@@ -331,8 +393,10 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
         env["dtype_choice"] = asdict(dtype_choice)
     sdpa, why = decode_sdpa("cpu")
     pv, pv_why = decode_pv()
+    buckets, buckets_why = pv_buckets(torch.bfloat16)
     env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped", "reason": why,
-                                   "pv": pv, "pv_reason": pv_why}
+                                   "pv": pv, "pv_reason": pv_why,
+                                   "pv_key_buckets_bf16": buckets, "pv_key_buckets_reason": buckets_why}
     packed, why = packed_linears(torch.bfloat16, "cpu")
     env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
     env["allocator"] = dict(_allocator)
