@@ -204,15 +204,16 @@ def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, room: torch.Te
     fp32 and fp64 models multiply in their own dtype, exactly as before.
 
     `room`: the store rows `value` is the first K entries of ([.., capacity, D], same storage and strides). A 16-bit
-    product then runs over key_bucket(K) keys (capped at the capacity), the probabilities past K being zeros: oneDNN
-    creates a primitive for every new 16-bit matmul shape and caches it by shape, paid at every step (the cache
-    grows by one entry) and, where layers keep different counts (LaProx, PyramidKV, head-split), in every layer
-    (hardware.pv_buckets: the costs, and the probe that turns it on only where the bits stay the same). The zero
-    columns add exact zeros to every sum: the store is zero-filled and holds only finite values."""
+    product on a CPU then runs over key_bucket(K) keys (capped at the capacity), the probabilities past K being
+    zeros: oneDNN creates a primitive for every new 16-bit matmul shape and caches it by shape, paid at every step
+    (the cache grows by one entry) and, where layers keep different counts (LaProx, PyramidKV, head-split), in every
+    layer (hardware.pv_buckets: the costs, and the probe that turns it on only where the bits stay the same). The
+    zero columns add exact zeros to every sum: the store is zero-filled and holds only finite values."""
     if value.dtype in (torch.float32, torch.float64) or decode_pv()[0] == "fp32":
         return torch.matmul(probs, value.to(probs.dtype)).to(value.dtype)
     K = value.shape[-2]
-    if room is not None and room.data_ptr() == value.data_ptr() and room.stride() == value.stride():
+    if (room is not None and value.device.type == "cpu" and room.data_ptr() == value.data_ptr()
+            and room.stride() == value.stride()):
         padded = min(key_bucket(K), room.shape[-2]) if pv_buckets(value.dtype)[0] else K
         if padded > K:
             p = probs.new_zeros(*probs.shape[:-1], padded, dtype=value.dtype)

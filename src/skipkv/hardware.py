@@ -208,7 +208,7 @@ _PROBE_SHAPES = tuple((2, 7, k) for k in range(1, 1200, 17)) + (
 
 def _padding_is_exact(dtype: torch.dtype) -> bool:
     """Whether a `dtype` batched matmul of probabilities x values gives the same bits when the keys are padded to
-    key_bucket with zero probabilities, on a few shapes of the decode step's kind (a few ms, once per process)."""
+    key_bucket with zero probabilities, on ~80 CPU shapes of the decode step's kind (0.1-0.3 s, once per process)."""
     gen = torch.Generator().manual_seed(0)
     for bh, m, k in _PROBE_SHAPES:
         padded = key_bucket(k)
@@ -235,9 +235,9 @@ def _pv_buckets(dtype: torch.dtype, forced: str | None) -> tuple[bool, str]:
 
 
 def pv_buckets(dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the grouped attention's 16-bit p.V runs over key_bucket(K) keys (zero probabilities past K) instead
-    of K, and why (module docstring): on by a probe that the padding leaves the bits unchanged on this machine.
-    Cached: called per layer."""
+    """Whether the grouped attention's 16-bit p.V on a CPU runs over key_bucket(K) keys (zero probabilities past K)
+    instead of K, and why (module docstring): on by a probe that the padding leaves the bits unchanged on this
+    machine. Never on another device (attention._probs_times_values). Cached: called per layer."""
     return _pv_buckets(dtype, os.environ.get(BUCKET_ENV))
 
 
