@@ -407,4 +407,5 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")),
-                      "decode_sdpa_cpu": decode_sdpa("cpu"), "decode_pv": decode_pv()}, indent=2))
+                      "decode_sdpa_cpu": decode_sdpa("cpu"), "decode_pv": decode_pv(),
+                      "decode_pv_key_buckets_bf16": pv_buckets(torch.bfloat16)}, indent=2))
