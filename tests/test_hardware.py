@@ -212,6 +212,16 @@ def test_pv_buckets_probe_override_and_record(monkeypatch):
     assert ok == hardware._padding_is_exact(torch.bfloat16) and "probe" in why
     assert hardware.environment()["decode_attention_cpu"]["pv_key_buckets_bf16"] == ok
     assert hardware.pv_buckets(torch.float16) == (False, "float16: key buckets are used for bf16 only")
+    real_bmm, calls = torch.bmm, []
+
+    def bmm_padded_off_by_one_ulp(a, b):  # the probe multiplies each shape unpadded, then padded
+        calls.append(b.shape[1])
+        out = real_bmm(a, b)
+        return torch.nextafter(out, torch.full_like(out, float("inf"))) if len(calls) % 2 == 0 else out
+
+    monkeypatch.setattr(hardware.torch, "bmm", bmm_padded_off_by_one_ulp)
+    assert hardware._padding_is_exact(torch.bfloat16) is False
+    monkeypatch.setattr(hardware.torch, "bmm", real_bmm)
     monkeypatch.setattr(hardware, "_padding_is_exact", lambda dtype: False)
     hardware._pv_buckets.cache_clear()
     assert hardware.pv_buckets(torch.bfloat16) == (False, "padded keys changed the bits in a probe of this machine's "
