@@ -1,0 +1,79 @@
+"""Forest plots of a pre-registered grid's families: per family, each policy's accuracy with its Wilson 95%
+interval, one panel per budget, the policy it is tested against drawn as a band, and every Holm-significant
+difference marked. It draws what the analysis wrote (`benchmarks/prereg.py --json`) and tests nothing itself.
+
+    python benchmarks/prereg.py docs/results/runs/laprox_prereg --json docs/results/laprox_prereg/analysis.json
+    python benchmarks/plot_prereg.py docs/results/laprox_prereg/analysis.json --out docs/results/laprox_prereg
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+DPI = 130
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
+
+
+def forest(name: str, family: dict, path: Path) -> None:
+    """One panel per budget: policies top to bottom in the analysis's order, accuracy with its interval."""
+    rows, against = family["rows"], family["against"]
+    ratios = sorted({r["ratio"] for r in rows}, key=float)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig = Figure(figsize=(4.2 * len(ratios) + 1.6, 0.32 * len(policies) + 1.4), dpi=DPI)
+    axes = fig.subplots(1, len(ratios), sharey=True, squeeze=False)[0]
+    for ax, ratio in zip(axes, ratios):
+        mine = {r["policy"]: r for r in rows if r["ratio"] == ratio}
+        ref = mine.get(against)
+        if ref is not None:
+            ax.axvspan(100 * ref["lo"], 100 * ref["hi"], color="tab:orange", alpha=0.15, lw=0)
+            ax.axvline(100 * ref["k"] / ref["n"], color="tab:orange", lw=1)
+        for y, pol in enumerate(policies):
+            r = mine.get(pol)
+            if r is None:
+                continue
+            acc = 100 * r["k"] / r["n"]
+            colour = "black" if pol == "full" else "tab:orange" if pol == against else "tab:blue"
+            ax.errorbar(acc, y, xerr=[[acc - 100 * r["lo"]], [100 * r["hi"] - acc]], fmt="o", ms=4,
+                        color=colour, capsize=2, lw=1)
+            if r.get("p_holm") is not None and r["p_holm"] <= 0.05:
+                ax.annotate("*", (100 * r["hi"], y), xytext=(4, -4), textcoords="offset points", fontsize=11)
+        n = next(iter(mine.values()))["n"] if mine else 0
+        ax.set_title(f"{float(ratio):.0%} of the prompt (n = {n})", fontsize=9)
+        ax.set_xlim(-2, 102)
+        ax.set_xlabel("correct (%), Wilson 95% CI", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(labelsize=8)
+    axes[0].set_yticks(range(len(policies)), policies)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{name}: band = {against}; * = differs from it, Holm p <= 0.05 (full cache in black)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("analysis", type=Path, help="the JSON written by benchmarks/prereg.py --json")
+    ap.add_argument("--out", type=Path, required=True, help="directory for one PNG per family")
+    args = ap.parse_args()
+    try:
+        report = json.loads(args.analysis.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"plot_prereg: cannot read {args.analysis}: {exc}") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, family in report.items():
+        path = args.out / f"{slug(name)}.png"
+        forest(name, family, path)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
