@@ -3,7 +3,8 @@ interval, one panel per budget, the policy it is tested against drawn as a band,
 difference marked. It draws what the analysis wrote (`benchmarks/prereg.py --json`) and tests nothing itself.
 
     python benchmarks/prereg.py docs/results/runs/laprox_prereg --json docs/results/laprox_prereg/analysis.json
-    python benchmarks/plot_prereg.py docs/results/laprox_prereg/analysis.json --out docs/results/laprox_prereg
+    python benchmarks/plot_prereg.py docs/results/laprox_prereg/analysis.json --out docs/results/laprox_prereg \
+        --family 8k    # only the families whose name matches
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def forest(name: str, family: dict, path: Path) -> None:
                 continue
             acc = 100 * r["k"] / r["n"]
             colour = "black" if pol == "full" else "tab:orange" if pol == against else "tab:blue"
-            ax.errorbar(acc, y, xerr=[[acc - 100 * r["lo"]], [100 * r["hi"] - acc]], fmt="o", ms=4,
+            ax.errorbar(acc, y, xerr=[[max(0.0, acc - 100 * r["lo"])], [max(0.0, 100 * r["hi"] - acc)]], fmt="o", ms=4,
                         color=colour, capsize=2, lw=1)
             if r.get("p_holm") is not None and r["p_holm"] <= 0.05:
                 ax.annotate("*", (100 * r["hi"], y), xytext=(4, -4), textcoords="offset points", fontsize=11)
@@ -63,13 +64,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("analysis", type=Path, help="the JSON written by benchmarks/prereg.py --json")
     ap.add_argument("--out", type=Path, required=True, help="directory for one PNG per family")
+    ap.add_argument("--family", default="", help="only the families whose name matches this regex (any case)")
     args = ap.parse_args()
     try:
         report = json.loads(args.analysis.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"plot_prereg: cannot read {args.analysis}: {exc}") from None
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        wanted = re.compile(args.family, re.IGNORECASE)
+    except re.error as exc:
+        raise SystemExit(f"plot_prereg: --family {args.family!r} is not a regex: {exc}") from None
     for name, family in report.items():
+        if not wanted.search(name):
+            continue
         path = args.out / f"{slug(name)}.png"
         forest(name, family, path)
         print(path)
