@@ -1,7 +1,8 @@
-"""benchmarks/prereg.py, the analysis fixed with issue 19's grid: pairing, which examples enter, the family's Holm.
+"""benchmarks/prereg.py and benchmarks/prereg_skipkv.py, the analyses fixed with the grids of issues 19 and 18.
 
-Its numbers are what docs/results.md reports, so they are recounted here by hand on a synthetic run tree: each
-cell's correct / n, the discordant pairs against `laprox`, the exact McNemar p and Holm over the whole family.
+Their numbers are what docs/results.md reports, so they are recounted here by hand on synthetic run trees: each
+cell's correct / n, which examples enter (paired, finished, in the family's blocks), the discordant pairs, the
+exact McNemar p, Holm over the whole family, and (issue 18) the paired length differences.
 """
 
 from __future__ import annotations
@@ -93,3 +94,73 @@ def test_amendment_family_is_against_laprox_head(prereg, tmp_path):
                                  prereg.AMENDMENT["labels"])
     tested = {r["policy"] for r in rows if r["p"] is not None}
     assert tested == {"laprox", "rkv", "snapkv"}  # adakv has no cell here; full and laprox-head are not tested
+
+
+# benchmarks/prereg_skipkv.py, the analysis fixed with issue 18's grid (per dataset; blocks of 50 in the real grid).
+
+SKIPKV_CELLS = ["full-s0", "seal-s0"] + [f"{p}-b{b}-s0" for p in ("rkv", "skipkv", "skipkv-steer")
+                                           for b in (64, 128)]
+
+
+@pytest.fixture(scope="module")
+def prereg_skipkv():
+    spec = importlib.util.spec_from_file_location("prereg_skipkv", ROOT / "benchmarks" / "prereg_skipkv.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_skipkv(root: Path, seed: int = 1) -> dict:
+    """gsm8k blocks 1-3, 8 examples each; skipkv at 64 has not finished block 2's last example."""
+    rng = random.Random(seed)
+    recs = {}
+    for block in (1, 2, 3):
+        for cell in SKIPKV_CELLS:
+            for i in range(8):
+                if (block, cell, i) == (2, "skipkv-b64-s0", 7):
+                    continue
+                recs.setdefault((block, cell), {})[f"q{i}"] = {"id": f"q{i}", "correct": rng.random() < 0.5,
+                                                               "generated_tokens": rng.randint(100, 700)}
+    for (block, cell), by_id in recs.items():
+        d = root / f"gsm8k-b{block}" / cell
+        d.mkdir(parents=True)
+        (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in by_id.values()))
+    return recs
+
+
+def test_skipkv_families_pair_within_their_blocks_and_holm_over_each(prereg_skipkv, tmp_path):
+    recs = make_skipkv(tmp_path)
+    cells = prereg_skipkv.load(tmp_path)["gsm8k"]
+
+    def cell(label: str, budget: str | None) -> dict:
+        name = f"{label}-s0" if label in ("full", "seal") else f"{label}-b{budget}-s0"
+        return {(b, i): r for (b, c), by_id in recs.items() if c == name for i, r in by_id.items()}
+
+    for family, tests, blocks in (("primary", prereg_skipkv.PRIMARY, {1, 2, 3, 4}),
+                                  ("secondary", prereg_skipkv.SECONDARY, {1, 2})):
+        rows = prereg_skipkv.compare(cells, tests, blocks)
+        assert len(rows) == len(tests) == {"primary": 6, "secondary": 19}[family]
+        for row in rows:
+            a, b = cell(row["a"], row["budget"]), cell(row["b"], row["budget"])
+            common = [k for k in set(a) & set(b) if k[0] in blocks]
+            assert row["n"] == len(common)  # 0 where a cell is absent here (snapkv, h2o, budget 192)
+            only_a = sum(a[k]["correct"] and not b[k]["correct"] for k in common)
+            only_b = sum(b[k]["correct"] and not a[k]["correct"] for k in common)
+            assert (row["only_a"], row["only_b"]) == (only_a, only_b)
+            assert row["p"] == pytest.approx(mcnemar_exact(only_a, only_b))
+        assert [r["p_holm"] for r in rows] == pytest.approx(holm([r["p"] for r in rows]))
+        if family == "primary":  # skipkv at 64 misses one example of block 2; block 3 counts
+            assert rows[0]["n"] == 23 and rows[3]["n"] == 24
+        else:  # blocks 1-2 only; seal vs full pairs seal's one cell with the full cache's
+            assert rows[0]["n"] == 15 and rows[-1]["n"] == 16 and rows[-1]["a"] == "seal"
+
+
+def test_skipkv_lengths_are_paired_differences(prereg_skipkv, tmp_path):
+    recs = make_skipkv(tmp_path)
+    out = prereg_skipkv.lengths(prereg_skipkv.load(tmp_path)["gsm8k"])
+    steer64 = next(r for r in out if r["a"] == "skipkv-steer" and r["budget"] == "64")
+    diffs = [recs[(b, "skipkv-steer-b64-s0")][i]["generated_tokens"] - recs[(b, "skipkv-b64-s0")][i]["generated_tokens"]
+             for (b, c), by_id in recs.items() if c == "skipkv-b64-s0" for i in by_id]
+    assert steer64["n"] == len(diffs) == 23
+    assert steer64["mean_diff"] == pytest.approx(sum(diffs) / len(diffs))
+    assert steer64["lo"] <= steer64["mean_diff"] <= steer64["hi"]
