@@ -70,14 +70,15 @@ def main() -> None:
         report = json.loads(args.analysis.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"plot_prereg: cannot read {args.analysis}: {exc}") from None
-    args.out.mkdir(parents=True, exist_ok=True)
     try:
         wanted = re.compile(args.family, re.IGNORECASE)
     except re.error as exc:
         raise SystemExit(f"plot_prereg: --family {args.family!r} is not a regex: {exc}") from None
-    for name, family in report.items():
-        if not wanted.search(name):
-            continue
+    chosen = {name: family for name, family in report.items() if wanted.search(name) and family.get("rows")}
+    if not chosen:
+        raise SystemExit(f"plot_prereg: no family with rows in {args.analysis} matches --family {args.family!r}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, family in chosen.items():
         path = args.out / f"{slug(name)}.png"
         forest(name, family, path)
         print(path)
