@@ -16,11 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-DPI = 130
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
+from skipkv.report.plots import DPI, slug
 
 
 def forest(name: str, family: dict, path: Path) -> None:

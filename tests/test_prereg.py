@@ -19,12 +19,17 @@ from skipkv.report.stats import holm, mcnemar_exact
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def prereg():
-    spec = importlib.util.spec_from_file_location("prereg", ROOT / "benchmarks" / "prereg.py")
+def load_script(name: str):
+    """A benchmarks/ script as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def prereg():
+    return load_script("prereg")
 
 
 CELLS = ["full-s0", "laprox-r0.05-s0", "rkv-r0.05-s0", "snapkv-r0.05-s0", "laprox-head-r0.05-s0"]
@@ -104,10 +109,7 @@ SKIPKV_CELLS = ["full-s0", "seal-s0"] + [f"{p}-b{b}-s0" for p in ("rkv", "skipkv
 
 @pytest.fixture(scope="module")
 def prereg_skipkv():
-    spec = importlib.util.spec_from_file_location("prereg_skipkv", ROOT / "benchmarks" / "prereg_skipkv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("prereg_skipkv")
 
 
 def make_skipkv(root: Path, seed: int = 1) -> dict:
