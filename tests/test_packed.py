@@ -1,4 +1,5 @@
-"""Prepacked linears (models/packed.py): bit-identical to nn.Linear, chosen by hardware.packed_linears."""
+"""Prepacked and upcast linears (models/packed.py): what each computes, chosen by hardware.packed_linears and
+hardware.upcast_linears."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from skipkv import SamplingParams, generate, hardware, make_policy
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
-from skipkv.models.packed import PackedLinear
+from skipkv.models.packed import PackedLinear, UpcastLinear
 
 SUPPORTED = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 needs_bf16 = pytest.mark.skipif(not SUPPORTED, reason="oneDNN has no bf16 on this CPU")
@@ -56,3 +57,64 @@ def test_only_bf16_on_a_cpu_packs(monkeypatch):
     monkeypatch.setenv(hardware.PACK_ENV, "on")
     with pytest.raises(SkipKVError, match="SKIPKV_PACKED_LINEARS must be 0 or 1"):
         hardware.packed_linears(torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(1,), (3, 1), (2, 7)])
+def test_upcast_linear_is_fp32_products_rounded_once(bias, lead):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(896, 320, bias=bias).to(torch.bfloat16)
+    x = torch.randn(*lead, 896, dtype=torch.bfloat16)
+    up = UpcastLinear(lin, keep_dense=False)
+    ref = torch.nn.functional.linear(x.double(), lin.weight.double(),
+                                     None if lin.bias is None else lin.bias.double()).float().to(torch.bfloat16)
+    out = up(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (*lead, 320)
+    assert torch.equal(out, torch.nn.functional.linear(
+        x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()).to(torch.bfloat16))
+    # fp32 sums of exact products: at most one bf16 step from the fp64 reference, almost always on it
+    step = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-3)
+    assert ((out.float() - ref.float()).abs() <= step).all()
+    assert (out == ref).float().mean() > 0.99
+    assert up.weight32.dtype == torch.float32 and not hasattr(up, "weight")
+    assert UpcastLinear(lin, keep_dense=True).weight is lin.weight
+
+
+def test_bf16_models_upcast_on_request_and_compute_the_same_function(monkeypatch):
+    monkeypatch.setenv(hardware.PACK_ENV, "0")
+    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    dense = load_model("random:qwen2", dtype="bf16")
+    assert isinstance(dense.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
+    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    up = load_model("random:qwen2", dtype="bf16")
+    assert "upcast to fp32" in up.packed_linears and up.dtype == torch.bfloat16
+    layer = up.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_proj, UpcastLinear) and not hasattr(layer.mlp.gate_proj, "weight")
+    assert layer.self_attn.o_proj.weight.dtype == torch.bfloat16  # LaProx reads it
+    ids = torch.tensor([list(range(5, 69))])
+    with torch.no_grad():
+        a = up.model(ids).logits.float()
+        b = dense.model(ids).logits.float()
+    assert (a - b).abs().max() < 0.05 * b.abs().max()  # the same weights, bf16 rounding apart
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for policy in (make_policy("full"), make_policy("laprox", budget=16, prefill_window=4)):
+        [r] = generate(up, ["The quick brown fox jumps over the lazy dog " * 2], sp, policy)
+        assert len(r.token_ids) == 8
+
+
+def test_only_bf16_on_a_cpu_without_onednn_bf16_upcasts(monkeypatch):
+    monkeypatch.delenv(hardware.UPCAST_ENV, raising=False)
+    monkeypatch.delenv(hardware.PACK_ENV, raising=False)
+    assert hardware.upcast_linears(torch.float32, "cpu")[0] is False
+    assert hardware.upcast_linears(torch.bfloat16, "cuda")[0] is False
+    assert hardware.upcast_linears(torch.bfloat16, "cpu")[0] is (not SUPPORTED)
+    assert "upcast" not in load_model("random:qwen2", dtype="fp32").packed_linears
+    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    assert hardware.upcast_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_UPCAST_LINEARS=0 (overridden)")
+    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    assert hardware.upcast_linears(torch.bfloat16, "cpu") == (True, "SKIPKV_UPCAST_LINEARS=1 (overridden)")
+    assert hardware.upcast_linears(torch.float32, "cpu")[0] is False
+    assert hardware.environment()["upcast_linears_cpu_bf16"]["upcast"] is True
+    monkeypatch.setenv(hardware.UPCAST_ENV, "yes")
+    with pytest.raises(SkipKVError, match="SKIPKV_UPCAST_LINEARS must be 0 or 1"):
+        hardware.upcast_linears(torch.bfloat16, "cpu")

@@ -50,6 +50,15 @@ Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16,
 weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
 (figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides.
 
+Linear weights where the CPU has no bf16 matmul (`upcast_linears`): a bf16 model there (`--dtype bf16` on purpose,
+e.g. a pinned grid resumed on such a processor; `auto` picks fp32) would have torch emulate every bf16 product. The
+linears instead multiply in fp32 with weights upcast once (models/packed.py, UpcastLinear): each product of two
+bf16 numbers is exact in fp32, sums run in fp32 and the output is rounded to bf16 once, which is what a native bf16
+kernel computes too (fp32 accumulation; only the order of the sums differs, as between any two processors'
+kernels). Activations, the KV cache and its bytes stay bf16; the weights take twice the memory. On a 2-core EPYC
+without AVX512 (AVX2 only), one thread, a 896 -> 4864 linear: 825 -> 133 ms at 512 rows, 13.9 -> 8.1 ms at 8,
+1.77 -> 1.84 ms at 1; whole-model figures in docs/benchmarks.md. `SKIPKV_UPCAST_LINEARS=1|0` overrides.
+
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
 changes it, and the record keeps what ran.
 
@@ -86,6 +95,7 @@ from skipkv.errors import SkipKVError
 OVERRIDE_ENV = "SKIPKV_CPU_BF16"
 SDPA_ENV = "SKIPKV_DECODE_SDPA"
 PACK_ENV = "SKIPKV_PACKED_LINEARS"
+UPCAST_ENV = "SKIPKV_UPCAST_LINEARS"
 PV_ENV = "SKIPKV_DECODE_PV"
 BUCKET_ENV = "SKIPKV_DECODE_PV_BUCKETS"
 MALLOC_ENV = "SKIPKV_MALLOC"
@@ -267,6 +277,24 @@ def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tu
     return True, "CPU, bf16, oneDNN with bf16" + (f" ({PACK_ENV}=1)" if forced else "")
 
 
+def upcast_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
+    """Whether a model in `dtype` on `device` runs its linears in fp32 on weights upcast once (models/packed.py,
+    UpcastLinear), and why: bf16 on a CPU whose oneDNN has no bf16 matmul, where torch would emulate it."""
+    forced = os.environ.get(UPCAST_ENV)
+    if forced is not None and forced not in ("0", "1"):
+        raise SkipKVError(f"{UPCAST_ENV} must be 0 or 1, got {forced!r}")
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        kind = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}"
+        return False, f"{kind}: upcasting is for bf16 on a CPU"
+    if forced is not None:
+        return forced == "1", f"{UPCAST_ENV}={forced} (overridden)"
+    if packed_linears(dtype, device)[0]:
+        return False, "oneDNN multiplies bf16 on this CPU (prepacked instead)"
+    if torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False, "oneDNN multiplies bf16 on this CPU"
+    return True, "CPU without a bf16 matmul in oneDNN: fp32 products of the upcast weights, rounded to bf16"
+
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _TOP_PAD = 64 << 20  # each heap growth asks the kernel for 64 MiB more than needed: fewer brk calls
@@ -399,6 +427,8 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
                                    "pv_key_buckets_bf16": buckets, "pv_key_buckets_reason": buckets_why}
     packed, why = packed_linears(torch.bfloat16, "cpu")
     env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
+    upcast, why = upcast_linears(torch.bfloat16, "cpu")
+    env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
     env["allocator"] = dict(_allocator)
     return env
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import torch
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import DtypeChoice, packed_linears, resolve_auto, tune_allocator
+from skipkv.hardware import DtypeChoice, packed_linears, resolve_auto, tune_allocator, upcast_linears
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -37,7 +37,9 @@ class ModelBundle:
     name: str
     family: str
     dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
-    packed_linears: str = ""  # whether the linears run prepacked (models/packed.py), and why (hardware.packed_linears)
+    # how the linears multiply (models/packed.py: prepacked, upcast to fp32, or plain) and why
+    # (hardware.packed_linears, hardware.upcast_linears)
+    packed_linears: str = ""
 
     @property
     def config(self):
@@ -225,11 +227,16 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 
 
 def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeChoice | None) -> ModelBundle:
-    """The bundle, with the linears prepacked where that is faster (hardware.packed_linears)."""
-    device = next(model.parameters()).device
-    pack, why = packed_linears(next(model.parameters()).dtype, device)
-    if pack:
-        from skipkv.models.packed import pack_linears
+    """The bundle, with the linears prepacked or upcast where that is faster (hardware.packed_linears,
+    hardware.upcast_linears)."""
+    from skipkv.models import packed
 
-        why = f"{pack_linears(model)} linears prepacked: {why}"
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    pack, why = packed_linears(dtype, device)
+    if pack:
+        why = f"{packed.pack_linears(model)} linears prepacked: {why}"
+    else:
+        upcast, up_why = upcast_linears(dtype, device)
+        if upcast:
+            why = f"{packed.upcast_linears(model)} linears upcast to fp32: {up_why}"
     return ModelBundle(model, tokenizer, name, family, choice, why)

@@ -1,4 +1,5 @@
-"""Linear layers with their weights prepacked once for oneDNN (CPU, bf16), instead of at every call.
+"""Linear layers with their weights prepacked once for oneDNN (CPU, bf16), instead of at every call; or, on a CPU
+whose oneDNN has no bf16 matmul, multiplied in fp32 on weights upcast once (UpcastLinear).
 
     python -c "from skipkv.models import load_model; b = load_model('random:qwen2', dtype='bf16'); print(b.packed)"
 
@@ -45,12 +46,44 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+class UpcastLinear(torch.nn.Module):
+    """`torch.nn.Linear` in a 16-bit dtype computed as fp32 products of fp32 copies of its weight and bias, the
+    output rounded to the input's dtype once: `linear(x.float(), W.float(), b.float()).to(x.dtype)`. Every product
+    of two bf16 numbers is exact in fp32, so this is a native bf16 kernel's arithmetic (fp32 accumulation) with
+    its own order of sums; on a CPU that has no such kernel it replaces torch's emulation (hardware.upcast_linears).
+    `weight` (the 16-bit one) stays only where `keep_dense` (see KEEP_DENSE)."""
+
+    def __init__(self, linear: torch.nn.Linear, keep_dense: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight32 = linear.weight.detach().float()
+        self.bias32 = None if linear.bias is None else linear.bias.detach().float()
+        self.bias = linear.bias
+        if keep_dense:
+            self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, upcast=fp32"
+
+
+def upcast_linears(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by an UpcastLinear, in place; returns how many."""
+    return _replace_linears(model, UpcastLinear)
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace every `nn.Linear` of `model` by a PackedLinear, in place; returns how many."""
+    return _replace_linears(model, PackedLinear)
+
+
+def _replace_linears(model: torch.nn.Module, kind: type) -> int:
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(module, name, PackedLinear(child, keep_dense=name in KEEP_DENSE))
+                setattr(module, name, kind(child, keep_dense=name in KEEP_DENSE))
                 count += 1
     return count

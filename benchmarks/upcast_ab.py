@@ -1,0 +1,109 @@
+"""bf16 on a CPU without a bf16 matmul: torch's emulated bf16 linears vs fp32 products of upcast weights
+(hardware.upcast_linears, models/packed.py UpcastLinear), on the real model through the public `generate`.
+
+    OMP_NUM_THREADS=1 python benchmarks/upcast_ab.py --prompt-tokens 256 --new-tokens 16 --batches 1,8 \
+        --rounds 2 --out docs/results/upcast/upcast_ab_epyc_avx2.json
+
+Both models are loaded in this process from the same weights (SKIPKV_UPCAST_LINEARS=0 and 1), and each round runs
+every case and variant in turn, so a slow spell on this shared machine hits both alike. Cases: the prefill of one
+`--prompt-tokens` prompt (time to first token), and decode at each batch from a 32-token prompt (tokens/s after
+the first token); full cache, greedy, `ignore_eos`; medians over rounds, and the share of greedy tokens on which
+the two variants agree (they round differently, so a near-tie may flip). On a CPU with a bf16 matmul in oneDNN
+the default is prepacked linears, not this; the script says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from skipkv import SamplingParams, generate, hardware, load_model, make_policy
+from skipkv.config import EngineConfig
+from skipkv.errors import SkipKVError
+from skipkv.outputs import write_atomic
+
+TEXT = ("The committee met on a grey morning to review the harbour accounts, line by line, and found that the "
+        "figures for the spring quarter did not match the ledger kept by the harbour master. ")
+
+
+def run(bundle, prompt_ids: list[int], batch: int, new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    results = generate(bundle, [prompt_ids] * batch, sp, make_policy("full"), EngineConfig(batch_size=batch))
+    ttft = max(r.ttft_seconds for r in results)
+    decode = max(r.seconds for r in results) - ttft
+    return ttft, batch * (new_tokens - 1) / decode, [r.token_ids for r in results]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        if min(batches) < 1 or args.prompt_tokens < 1 or args.new_tokens < 2 or args.rounds < 1:
+            raise ValueError
+    except ValueError:
+        print("upcast_ab: --batches must be positive integers (e.g. 1,8), --prompt-tokens, --rounds >= 1 and "
+              "--new-tokens >= 2", file=sys.stderr)
+        return 2
+    if hardware.packed_linears(torch.bfloat16, "cpu")[0]:
+        print("upcast_ab: this CPU multiplies bf16 in oneDNN (prepacked linears run, not upcast); nothing to compare",
+              file=sys.stderr)
+        return 1
+    bundles = {}
+    try:
+        for flag, name in (("0", "emulated"), ("1", "upcast")):
+            os.environ[hardware.UPCAST_ENV] = flag
+            bundles[name] = load_model(args.model, dtype="bf16")
+    except SkipKVError as exc:
+        print(f"upcast_ab: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        os.environ.pop(hardware.UPCAST_ENV, None)
+    tok = bundles["upcast"].tokenizer
+    long_ids = (tok.encode(TEXT * (args.prompt_tokens // 20 + 1)))[:args.prompt_tokens]
+    cases = [("prefill", 1, long_ids)] + [("decode", b, long_ids[:32]) for b in batches]
+    values: dict[tuple[str, int, str], list[float]] = {}
+    tokens: dict[tuple[str, int, str], list[list[int]]] = {}
+    for rnd in range(args.rounds):
+        for kind, batch, ids in cases:
+            for name, bundle in bundles.items():
+                ttft, tps, toks = run(bundle, ids, batch, args.new_tokens if kind == "decode" else 2)
+                values.setdefault((kind, batch, name), []).append(ttft if kind == "prefill" else tps)
+                tokens[(kind, batch, name)] = toks
+                print(f"round {rnd + 1} {kind} batch {batch} {name}: "
+                      + (f"first token {ttft:.2f} s" if kind == "prefill" else f"decode {tps:.2f} tok/s"), flush=True)
+    rows = []
+    print("\n| case | emulated bf16 | upcast | upcast speedup | greedy tokens agreeing |\n|---|---:|---:|---:|---:|")
+    for kind, batch, _ in cases:
+        emu, up = (statistics.median(values[(kind, batch, n)]) for n in bundles)
+        speedup = emu / up if kind == "prefill" else up / emu
+        a, b = tokens[(kind, batch, "emulated")], tokens[(kind, batch, "upcast")]
+        agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
+        unit = "s to first token" if kind == "prefill" else "tok/s"
+        label = f"prefill {args.prompt_tokens} tokens" if kind == "prefill" else f"decode batch {batch}"
+        rows.append({"case": label, "unit": unit, "emulated": emu, "upcast": up, "speedup": speedup,
+                     "tokens_agreeing": agree, "rounds": {n: values[(kind, batch, n)] for n in bundles}})
+        print(f"| {label} ({unit}) | {emu:.2f} | {up:.2f} | {speedup:.2f}x | {agree:.3f} |")
+    if args.out:
+        report = {"model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                  "rounds": args.rounds,
+                  "threads": torch.get_num_threads(), "rows": rows, "environment": hardware.environment()}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(args.out), json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
