@@ -165,6 +165,35 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
     run_eval(shared[1])  # and run_eval accepts a shared run's dir as its own (same identity)
 
 
+def test_run_shared_loads_and_renders_the_data_once(tmp_path, monkeypatch):
+    """The runs of a group share their examples: one load and one rendering per example, not one per run (a
+    long-context set fits each haystack by tokenizing it repeatedly, so per-run loads cost minutes per block)."""
+    from skipkv.eval import prompts
+    from skipkv.eval.longctx import NIAH
+    from skipkv.eval.shared import run_shared
+
+    calls = {"load": 0, "render": 0}
+    load, render = NIAH.load, prompts.render
+
+    def counted_load(self, request):
+        calls["load"] += 1
+        return load(self, request)
+
+    def counted_render(*args, **kwargs):
+        calls["render"] += 1
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(NIAH, "load", counted_load)
+    monkeypatch.setattr(prompts, "render", counted_render)
+    run_shared([_cell(tmp_path / "alone", "full", None)])
+    one = dict(calls)
+    calls.update(load=0, render=0)
+    specs = [("full", None), ("rkv", 0.3), ("laprox", 0.2)]
+    run_shared([_cell(tmp_path / f"c{i}", p, r) for i, (p, r) in enumerate(specs)])
+    assert calls == one and one["load"] == 1  # three runs cost what one does
+    assert all(len(_records(tmp_path / f"c{i}")) == 4 for i in range(3))
+
+
 def test_run_shared_refuses_runs_that_cannot_share(tmp_path):
     from dataclasses import replace
 

@@ -75,27 +75,35 @@ class Run:
 
 
 
-def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_prefill: bool = False) -> Run:
+def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_prefill: bool = False,
+             memo: dict | None = None) -> Run:
     """Load and render the examples, write (or check) config.json and list the jobs not yet recorded. Call
-    within the run dir's `made_dir` and lock; `created` is made_dir's list (cleared once config.json exists)."""
+    within the run dir's `made_dir` and lock; `created` is made_dir's list (cleared once config.json exists).
+    `memo`: a dict shared by runs opened together on one bundle (eval/shared.py), so that runs of the same data
+    load and render it once (a long-context set fits every haystack by tokenizing it again and again)."""
     from skipkv.engine import check_fits
 
     dataset, policy, mode, max_new = plan.dataset, plan.policy, plan.mode, plan.max_new
     options = check_lengths(cfg, dataset, dict(cfg.dataset_options), bundle.max_context, max_new)
     request = data_request(options, bundle.tokenizer, cfg.prompt_style)
-    examples = dataset.load(request)[request.offset:]
-    if cfg.limit is not None:
-        examples = examples[:cfg.limit]
+    memo = {} if memo is None else memo
+    key = (cfg.dataset, repr(sorted(options.items())), cfg.prompt_style, cfg.limit, max_new, id(bundle.tokenizer))
+    if key not in memo:
+        examples = dataset.load(request)[request.offset:]
+        if cfg.limit is not None:
+            examples = examples[:cfg.limit]
+        # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
+        rendered: dict[str, tuple[str, list[int]]] = {}
+        for ex in examples:
+            text = prompts.render(bundle.tokenizer, ex, cfg.prompt_style)
+            ids = prompts.encode(bundle.tokenizer, text, cfg.prompt_style)
+            check_fits(f"example {ex.id}", len(ids), max_new, bundle.max_context)
+            rendered[ex.id] = (text, ids)
+        memo[key] = examples, rendered
+    examples, rendered = memo[key]
     # The policy refuses what it cannot run (e.g. a steering vector built from these examples) before any
     # record is written; made_dir then removes the run directory it created.
     policy.check_run(bundle, cfg.dataset, [ex.id for ex in examples])
-    # Render and size every prompt before anything is written, so a bad setting leaves no run dir behind.
-    rendered: dict[str, tuple[str, list[int]]] = {}
-    for ex in examples:
-        text = prompts.render(bundle.tokenizer, ex, cfg.prompt_style)
-        ids = prompts.encode(bundle.tokenizer, text, cfg.prompt_style)
-        check_fits(f"example {ex.id}", len(ids), max_new, bundle.max_context)
-        rendered[ex.id] = (text, ids)
     policy_record = {"name": cfg.policy, **dataclasses.asdict(policy)}
     if mode == "prompt_length" or not policy.compresses:
         policy_record["budget"] = None  # set per example (see budget_mode), or no budget applies

@@ -75,7 +75,8 @@ def run_shared(cfgs: list[EvalConfig]) -> list[Path]:
             stack.enter_context(locked(plan.out))
         first = cfgs[0]
         bundle = load_model(first.model, dtype=first.dtype, device=first.device)
-        runs = [open_run(cfg, plan, bundle, created, shared_prefill=True)
+        memo: dict = {}  # the runs share their data: loaded and rendered once
+        runs = [open_run(cfg, plan, bundle, created, shared_prefill=True, memo=memo)
                 for cfg, plan, created in zip(cfgs, plans, createds)]
         todo: dict[str, list[tuple[Run, Job]]] = defaultdict(list)
         for run in runs:
