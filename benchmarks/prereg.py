@@ -18,6 +18,11 @@ adakv finished.
 A dataset directory `<set>-b<k>` is block k of set <set>; an example is (block, id). Only examples that every
 cell of a budget finished (the full cache included) enter that budget's rows, so an interrupted sweep is
 analysed on its finished examples; the header says how many, and which blocks are complete.
+
+A sensitivity check, not a family of its own: `--exclude BLOCK:ID` (repeatable) drops an example from every cell
+before anything is counted, e.g. the examples whose cells ran on two machines or kernels (docs/results.md):
+
+    python benchmarks/prereg.py docs/results/runs/laprox_prereg --exclude vt4k:variable_tracking-4096-18
 """
 
 from __future__ import annotations
@@ -60,6 +65,23 @@ def load(root: Path) -> dict[str, dict[str, dict[str | None, dict[tuple[str, str
                 r = json.loads(line)
                 slot[(d.parent.name, r["id"])] = r
     return grid
+
+
+def exclude(grid, keys: list[str]) -> list[tuple[str, str]]:
+    """Drop each `BLOCK:ID` of `keys` from every cell of `grid`, in place; returns the (block, id) pairs dropped.
+    A key that no cell holds is an error (a typo would otherwise leave the analysis silently unchanged)."""
+    dropped = []
+    for key in keys:
+        block, sep, ex = key.partition(":")
+        hit = False
+        for policies in grid.values():
+            for by_ratio in policies.values():
+                for records in by_ratio.values():
+                    hit |= records.pop((block, ex), None) is not None
+        if not sep or not hit:
+            raise SystemExit(f"prereg: --exclude {key!r}: no cell holds example {ex!r} of block {block!r}")
+        dropped.append((block, ex))
+    return dropped
 
 
 def family_rows(grid, sets: tuple[str, ...], ratios: list[str], against: str = AGAINST,
@@ -132,10 +154,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path)
     ap.add_argument("--json", type=Path, default=None, help="also write every family's rows here")
+    ap.add_argument("--exclude", action="append", default=[], metavar="BLOCK:ID",
+                    help="leave this example out of every cell (a sensitivity check; repeatable)")
     args = ap.parse_args()
     if not args.root.is_dir():
         raise SystemExit(f"prereg: no such directory {args.root}")
     grid = load(args.root)
+    dropped = exclude(grid, args.exclude)
+    if dropped:
+        print(f"Excluded from every cell (sensitivity check): {', '.join(f'{b}:{i}' for b, i in dropped)}\n")
     ratios = sorted({r for s in grid.values() for lab in s.values() for r in lab if r is not None}, key=float)
     report = {}
     amended = [(f"amendment, head granularity: {name}", sets, AMENDMENT["against"], AMENDMENT["labels"])
@@ -145,7 +172,8 @@ def main() -> None:
         if not rows:
             print(f"**{name}**: no example finished in every cell yet\n")
             continue
-        report[name] = {"sets": sets, "against": against, "examples": sizes, "rows": rows}
+        report[name] = {"sets": sets, "against": against, "examples": sizes, "rows": rows,
+                        **({"excluded": [f"{b}:{i}" for b, i in dropped]} if dropped else {})}
         print(markdown(name, rows, sizes, blocks(grid, sets, args.root), score="cw4k" in sets, against=against) + "\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -92,6 +92,19 @@ def test_a_cell_without_records_keeps_every_example_out(prereg, tmp_path):
     assert sizes == {"0.05": 0} and rows == []
 
 
+def test_exclude_drops_an_example_from_every_cell(prereg, tmp_path):
+    make(tmp_path)
+    grid = prereg.load(tmp_path)
+    assert prereg.exclude(grid, ["niah8k-b1:ex3", "multikey8k-b1:ex0"]) == [("niah8k-b1", "ex3"),
+                                                                            ("multikey8k-b1", "ex0")]
+    full = prereg.family_rows(prereg.load(tmp_path), ("niah8k", "multikey8k"), ["0.05"])[1]
+    assert prereg.family_rows(grid, ("niah8k", "multikey8k"), ["0.05"])[1] == {"0.05": full["0.05"] - 2}
+    assert all(("niah8k-b1", "ex3") not in recs for pol in grid["niah8k"].values() for recs in pol.values())
+    for bad in ("niah8k-b1:ex99", "niah8k-b1", "vt4k:ex0"):
+        with pytest.raises(SystemExit, match="no cell holds"):
+            prereg.exclude(prereg.load(tmp_path), [bad])
+
+
 def test_amendment_family_is_against_laprox_head(prereg, tmp_path):
     make(tmp_path)
     grid = prereg.load(tmp_path)
