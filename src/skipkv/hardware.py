@@ -438,4 +438,6 @@ if __name__ == "__main__":
 
     print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")),
                       "decode_sdpa_cpu": decode_sdpa("cpu"), "decode_pv": decode_pv(),
-                      "decode_pv_key_buckets_bf16": pv_buckets(torch.bfloat16)}, indent=2))
+                      "decode_pv_key_buckets_bf16": pv_buckets(torch.bfloat16),
+                      "packed_linears_cpu_bf16": packed_linears(torch.bfloat16, "cpu"),
+                      "upcast_linears_cpu_bf16": upcast_linears(torch.bfloat16, "cpu")}, indent=2))
