@@ -1,7 +1,7 @@
 """Linear layers with their weights prepacked once for oneDNN (CPU, bf16), instead of at every call; or, on a CPU
 whose oneDNN has no bf16 matmul, multiplied in fp32 on weights upcast once (UpcastLinear).
 
-    python -c "from skipkv.models import load_model; b = load_model('random:qwen2', dtype='bf16'); print(b.packed_linears)"
+    python -c "from skipkv.models import load_model; print(load_model('random:qwen2', dtype='bf16').packed_linears)"
 
 `torch.nn.functional.linear` in bf16 on a CPU hands the weight to oneDNN, which reorders it into its blocked layout
 on every call; `torch.ops.mkldnn._reorder_linear_weight` does that once, and `_linear_pointwise` multiplies with
