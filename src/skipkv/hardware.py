@@ -55,9 +55,9 @@ e.g. a pinned grid resumed on such a processor; `auto` picks fp32) would have to
 linears instead multiply in fp32 with weights upcast once (models/packed.py, UpcastLinear): each product of two
 bf16 numbers is exact in fp32, sums run in fp32 and the output is rounded to bf16 once, which is what a native bf16
 kernel computes too (fp32 accumulation; only the order of the sums differs, as between any two processors'
-kernels). Activations, the KV cache and its bytes stay bf16; the weights take twice the memory. On a 2-core EPYC
-without AVX512 (AVX2 only), one thread, a 896 -> 4864 linear: 825 -> 133 ms at 512 rows, 13.9 -> 8.1 ms at 8,
-1.77 -> 1.84 ms at 1; whole-model figures in docs/benchmarks.md. `SKIPKV_UPCAST_LINEARS=1|0` overrides.
+kernels). Activations, the KV cache and its bytes stay bf16; the weights take twice the memory. Measured on a
+2-core EPYC without AVX512 (AVX2 only) by `benchmarks/upcast_ab.py` (docs/benchmarks.md): prefill 4.64x, decode
+1.17x at batch 1 and 1.99x at batch 8, greedy tokens identical. `SKIPKV_UPCAST_LINEARS=1|0` overrides.
 
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
 changes it, and the record keeps what ran.
