@@ -99,9 +99,13 @@ class QueryBuffer:
         self.q, self.qpos = q, qpos
 
     def move(self, src: int, dst: int) -> None:
-        self.q[:, dst] = self.q[:, src]
-        self.qpos[dst] = self.qpos[src]
+        self.copy_slot(src, slice(dst, dst + 1))
         self.clear(src)
+
+    def copy_slot(self, src: int, dsts: slice) -> None:
+        """Copy slot `src`'s queries over every slot in `dsts` (a contiguous range without `src`)."""
+        self.q[:, dsts] = self.q[:, src:src + 1]
+        self.qpos[dsts] = self.qpos[src:src + 1]
 
     def clear(self, slot: int) -> None:
         self.qpos[slot] = -1

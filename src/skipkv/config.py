@@ -121,6 +121,13 @@ class EngineConfig:
     # Padded prompt tokens prefilled per engine step at most, summed over the requests admitted together
     # (one request is always admitted): a bound on how long one step stalls the running requests. 0 = no limit.
     prefill_budget: int = knob(0, "prompt tokens prefilled per step at most (0 = no limit)", ge=0)
+    # A prompt prefix that every request admitted together starts with (a system prompt, few-shot exemplars)
+    # is prefilled once, in one row, and copied into the others, when it is at least this many tokens. The
+    # other rows then hold the same entries they would compute themselves; their tokens can still differ from
+    # a run without sharing in the last bits (the rest of each prompt is a separate, shorter forward, as in
+    # chunked prefill), so it is off by default and part of a run's identity when on. 0 = off.
+    share_prefix: int = knob(0, "prefill a prompt prefix the admitted group shares once, if >= N tokens (0 = off)",
+                             ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "engine")

@@ -275,15 +275,20 @@ class KVStore:
         """Copy slot `src` over slot `dst` (used to keep running requests in slots [0, n))."""
         if src == dst:
             return
+        self.copy_slot(src, slice(dst, dst + 1))
+        self.clear(src)
+
+    def copy_slot(self, src: int, dsts: slice) -> None:
+        """Copy what slot `src` holds (entries, positions, accumulators, lengths) over every slot in `dsts`, a
+        contiguous range without `src` (a shared prompt prefix: engine/runner.py). `src` keeps its entries."""
         for l in range(self.num_layers):
             n = int(self.lengths[l, src])
-            self.k[l][dst, :, :n] = self.k[l][src, :, :n]
-            self.v[l][dst, :, :n] = self.v[l][src, :, :n]
-            self.pos[l][dst, :, :n] = self.pos[l][src, :, :n]
+            self.k[l][dsts, :, :n] = self.k[l][src, :, :n]
+            self.v[l][dsts, :, :n] = self.v[l][src, :, :n]
+            self.pos[l][dsts, :, :n] = self.pos[l][src, :, :n]
             for name in self.aux_names:
-                self.aux[name][l][dst, :, :n] = self.aux[name][l][src, :, :n]
-        self.lengths[:, dst] = self.lengths[:, src]
-        self.clear(src)
+                self.aux[name][l][dsts, :, :n] = self.aux[name][l][src, :, :n]
+        self.lengths[:, dsts] = self.lengths[:, src:src + 1]
 
     def clear(self, slot: int) -> None:
         self.lengths[:, slot] = 0

@@ -85,6 +85,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
                    help="prefill long prompts this many tokens at a time (0 = whole)")
+    p.add_argument("--share-prefix", type=int, default=_ENGINE_DEFAULTS.share_prefix, metavar="N",
+                   help="prefill a prompt prefix that requests admitted together share once, when it is at least "
+                        "N tokens (a system prompt, few-shot exemplars; 0 = off, the default)")
     add_memory_args(p)
 
 
@@ -143,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     sampling = sampling_from_args(args)
     engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
-                          prefill_budget=args.prefill_budget)
+                          prefill_budget=args.prefill_budget, share_prefix=args.share_prefix)
     prompts = read_prompts(args)
     threads = set_threads(args.threads)
     bundle = load_model(args.model, dtype=args.dtype)

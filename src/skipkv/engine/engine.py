@@ -10,7 +10,8 @@
 One step is one scheduling decision: if no admitted group is still prefilling, the scheduler admits the
 next group (by free slots and KV memory, see scheduler.py and memory.py); then every running request decodes one token,
 and the prefilling group (if any) runs one prompt chunk (`prefill_chunk` tokens per request, 0 = whole), so
-long prompts entering do not stall the requests already decoding for more than one chunk per step.
+long prompts entering do not stall the requests already decoding for more than one chunk per step. With
+`share_prefix`, a prompt prefix that the whole group shares is prefilled once for all of it (runner.py).
 `generate()` is a loop over this engine. While an Engine is open, its model runs the skipkv attention
 backend (one open Engine per model; `close()` restores it and removes the steering hook).
 """
@@ -142,7 +143,8 @@ class Engine:
         self.hook = steering(bundle.model) if steering is not None else self.policy.steering_hook(bundle)
         try:
             self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
-                                      steering=self.hook, trace=trace, kv_memory=self.config.kv_memory)
+                                      steering=self.hook, trace=trace, kv_memory=self.config.kv_memory,
+                                      share_prefix=self.config.share_prefix)
         except BaseException:
             if self.hook is not None:  # a refused policy must not leave the hook on the model
                 self.hook.remove()

@@ -40,12 +40,15 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 class ModelRunner:
     def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
-                 steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0) -> None:
+                 steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0,
+                 share_prefix: int = 0) -> None:
         """`policy`: what to capture for (queries, attention sums, hidden states); each request brings its own
-        (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none)."""
+        (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none).
+        `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`)."""
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
         self.prefill_chunk = prefill_chunk
+        self.share_prefix = share_prefix
         self.steering = steering
         self.trace = trace  # record retention per compression (engine/trace.py); off: no recording code runs
         cfg = bundle.model.config
@@ -68,6 +71,8 @@ class ModelRunner:
         self.cohort_start = 0
         self._chunk_at = 0  # prompt offset of the cohort's next chunk
         self._cohort_len = 0  # longest prompt of the cohort
+        self._shared = 0  # prompt tokens the whole cohort shares and prefills once (shared_prefix)
+        self.shared_prefix_tokens = 0  # prompt tokens not prefilled thanks to a shared prefix, cumulative
         self._last_hidden: list[torch.Tensor | None] = []
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
@@ -158,6 +163,7 @@ class ModelRunner:
         self.cohort_start = len(self.running)
         self._chunk_at = 0
         self._cohort_len = max(r.prompt_len for r in new)
+        self._shared = self.shared_prefix(new)
         self._last_hidden = [None] * len(new)
         self.fit(exact=False)
         for i in range(len(new)):
@@ -165,13 +171,58 @@ class ModelRunner:
             if self.queries is not None:
                 self.queries.clear(self.cohort_start + i)
 
+    def shared_prefix(self, new: Sequence[Request]) -> int:
+        """Prompt tokens that every request of `new` starts with and that one forward prefills for all of them
+        (EngineConfig.share_prefix): 0 unless sharing is on, the group has two or more requests and they share
+        at least `share_prefix` tokens. Every request keeps its last prompt token for its own forward (its
+        first token's logits), and the prefix stays within the first chunk (chunked prefill stages and
+        compresses per chunk, as without sharing)."""
+        if self.share_prefix <= 0 or len(new) < 2:
+            return 0
+        lens = [r.prompt_len for r in new]
+        n = min(min(lens) - 1, chunk_width(self.prefill_chunk, max(lens)))
+        first = new[0].prompt_ids
+        for r in new[1:]:
+            ids = r.prompt_ids
+            i = 0
+            while i < n and ids[i] == first[i]:
+                i += 1
+            n = i
+        return n if n >= self.share_prefix else 0
+
+    def _prefill_shared(self, new: list[Request], n: int) -> None:
+        """Prefill the cohort's shared prefix (`n` tokens) in its first row alone and copy that row's entries,
+        accumulators and queries into the others: every row then holds what its own forward of those tokens
+        would have written (the same tokens at the same positions, attending only to each other)."""
+        device, start, k = self.store.device, self.cohort_start, len(new)
+        ids = to_device(torch.tensor([new[0].prompt_ids[:n]]), device)
+        hidden = self._forward(start, ids, torch.arange(n, device=device)[None], torch.tensor([n]))
+        others = slice(start + 1, start + k)
+        self.store.copy_slot(start, others)
+        if self.queries is not None:
+            self.queries.copy_slot(start, others)
+        if self.need_hidden:
+            for r in new:
+                r.policy.observe(r.state, ids[0], hidden[0])
+        self.shared_prefix_tokens += n * (k - 1)
+
     def prefill_step(self) -> tuple[int, list[tuple[Request, int]]]:
         """Prefill the cohort's next chunk. Returns (real prompt tokens processed, [(request, first token)]
-        for every cohort request once the whole cohort is done, else [])."""
+        for every cohort request once the whole cohort is done, else []). A shared prefix (`shared_prefix`) is
+        the first part of the first chunk: prefilled once, then the rest of the chunk in every row."""
         device = self.store.device
         new, start, k = self.cohort, self.cohort_start, len(self.cohort)
         c0 = self._chunk_at
         c1 = min(c0 + chunk_width(self.prefill_chunk, self._cohort_len), self._cohort_len)
+        # Each chunk is staged whole before compression brings the request back to its budget; layers that a
+        # model-wide policy left shorter grow only by the chunk. Growing reshapes the store exactly (never
+        # on top of capacity kept from requests that left), so it stays within what admission counted.
+        self._reshape_due = True
+        self.fit(exact=False)
+        processed = 0
+        if c0 == 0 and self._shared:
+            self._prefill_shared(new, self._shared)
+            c0, processed = self._shared, self._shared
         lens = torch.tensor([r.prompt_len for r in new])
         real = (lens - c0).clamp(0, c1 - c0)
         ids = torch.full((k, c1 - c0), self.pad_id, dtype=torch.long)
@@ -180,25 +231,22 @@ class ModelRunner:
                 ids[i, : int(real[i])] = torch.tensor(r.prompt_ids[c0:c0 + int(real[i])])
         ids = to_device(ids, device)
         positions = torch.arange(c0, c1, device=device).expand(k, -1)
-        # Each chunk is staged whole before compression brings the request back to its budget; layers that a
-        # model-wide policy left shorter grow only by the chunk. Growing reshapes the store exactly (never
-        # on top of capacity kept from requests that left), so it stays within what admission counted.
-        self._reshape_due = True
-        self.fit(exact=False)
-        hidden = self._forward(start, ids, positions, real)
+        if c1 > c0:
+            hidden = self._forward(start, ids, positions, real)
+            for i, r in enumerate(new):
+                if c0 <= r.prompt_len - 1 < c1:
+                    self._last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
+                if self.need_hidden and real[i] > 0:
+                    r.policy.observe(r.state, ids[i, : int(real[i])], hidden[i, : int(real[i])])
         self._reshape_due = True  # the chunk is in: what the store must hold changed again
         held = self._note_memory(start, new, decoding=False)
-        for i, r in enumerate(new):
-            if c0 <= r.prompt_len - 1 < c1:
-                self._last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
-            if self.need_hidden and real[i] > 0:
-                r.policy.observe(r.state, ids[i, : int(real[i])], hidden[i, : int(real[i])])
         self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held))
                        if r.policy.should_compress(n, True, r.state)],
                       is_prefill=True)
         self._chunk_at = c1
+        processed += int(real.sum())
         if c1 < self._cohort_len:
-            return int(real.sum()), []
+            return processed, []
         last = [h for h in self._last_hidden if h is not None]
         assert len(last) == len(self._last_hidden), "every row of the cohort has its last hidden state now"
         tokens = sample(self._logits(torch.stack(last)), new)
@@ -211,7 +259,7 @@ class ModelRunner:
             r.fed = r.prompt_len
         self.running.extend(new)
         self.cohort, self._last_hidden = [], []
-        return int(real.sum()), list(zip(new, tokens))
+        return processed, list(zip(new, tokens))
 
     def prefill(self, new: list[Request]) -> list[int]:
         """Admit `new` and prefill it whole (all chunks) now; returns the first tokens, in the order of `new`."""

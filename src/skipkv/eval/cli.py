@@ -59,7 +59,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "force_wait": args.force_wait,
         "batch_size": args.batch_size,
-        "prefill_chunk": args.prefill_chunk, "kv_memory": args.kv_memory, "prompt_style": args.prompt_style,
+        "prefill_chunk": args.prefill_chunk, "share_prefix": args.share_prefix, "kv_memory": args.kv_memory,
+        "prompt_style": args.prompt_style,
         "dtype": args.dtype,
         "device": args.device,
     }
@@ -113,6 +114,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, help=f"default {d['batch_size']}")
     p.add_argument("--prefill-chunk", type=int,
                    help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
+    p.add_argument("--share-prefix", type=int, metavar="N",
+                   help="prefill a prompt prefix that a batch shares once, when it is at least N tokens (e.g. "
+                        "r1think's exemplars; 0 = off, the default; part of the run's identity when on)")
     p.add_argument("--kv-memory", type=kv_memory_arg, help="KV cache memory cap, e.g. 2GiB (default: no cap)")
     p.add_argument("--prompt-style", "--prompt", choices=STYLES,
                    help=f"chat, raw, or r1think (math: thinking exemplars that re-check themselves); "

@@ -63,6 +63,7 @@ class EvalConfig:
     force_wait: int = _SAMPLING.force_wait  # s1 budget forcing (SamplingParams.force_wait)
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
+    share_prefix: int = _ENGINE.share_prefix  # prefill a prompt prefix shared by a batch once (EngineConfig)
     kv_memory: int = knob(_ENGINE.kv_memory, "KV memory cap in bytes (0 = none; execution only: it does not "
                           "change tokens)", ge=0)
     prompt_style: str = knob("chat", "chat template or raw text", choices=prompts.STYLES)
@@ -89,7 +90,7 @@ class EvalConfig:
         # The sampling and engine knobs are validated by the dataclasses that own their constraints.
         SamplingParams(max_new_tokens=self.max_new_tokens or 1, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, seed=self.seed, force_wait=self.force_wait)
-        EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk)
+        EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk, share_prefix=self.share_prefix)
         if self.samples > 1 and self.temperature == 0:
             raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
         if self.budget is not None and self.budget_ratio is not None:

@@ -120,8 +120,9 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
                      if k != "force_wait" or v},  # absent when off: older run dirs still resume
         "grader": {"name": dataset.grader, **public_fields(plan.grader)},
         "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
-                   if k not in ("batch_size", "kv_memory", "prefill_budget")}
+                   if k not in ("batch_size", "kv_memory", "prefill_budget", "share_prefix")}
         | {"prefill_chunk": cfg.prefill_chunk}
+        | ({"share_prefix": cfg.share_prefix} if cfg.share_prefix else {})  # absent when off: older dirs resume
         # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it.
         | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {}),
         "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
@@ -208,7 +209,8 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[Job], sampling: SamplingP
                 bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
-                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory),
+                     EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory,
+                                  share_prefix=cfg.share_prefix),
                      on_result=finished, progress=False, trace=cfg.trace)
     finally:
         bar.close()
