@@ -258,3 +258,17 @@ def test_a_16bit_run_resumes_only_on_the_attention_it_began_with(tmp_path: Path,
     monkeypatch.setenv(hardware.PV_ENV, "model")
     run_eval(small(fp32, limit=2))
     assert len(records(fp32)) == 2
+
+
+def test_share_prefix_is_in_the_identity_only_when_on(tmp_path: Path) -> None:
+    """A run dir written without --share-prefix (or before it existed) has no engine.share_prefix and resumes
+    with it off; one written with it refuses a resume without it (in 16-bit dtypes the tokens can differ)."""
+    off, on = tmp_path / "off", tmp_path / "on"
+    run_eval(small(off, limit=1))
+    assert "share_prefix" not in json.loads((off / "config.json").read_text())["engine"]
+    run_eval(small(off, limit=2))
+    assert len(records(off)) == 2
+    run_eval(small(on, limit=2, batch_size=2, share_prefix=4))
+    assert json.loads((on / "config.json").read_text())["engine"]["share_prefix"] == 4
+    with pytest.raises(SkipKVError, match=r"different run: engine.share_prefix"):
+        run_eval(small(on, limit=2, batch_size=2))

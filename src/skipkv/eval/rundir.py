@@ -20,7 +20,7 @@ directory is used again; any difference is a SkipKVError, so one directory never
   sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop, force_wait (when > 0)}
   grader                         {name, + its settings}
   engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
-                                 16-bit dtypes, see below)
+                                 16-bit dtypes, see below; share_prefix only when on, so older dirs resume)
 Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
 --samples extends a run, and in fp32/fp64 batch size does not change tokens (the engine's batch == singles
 invariant; in bf16/fp16 a padded row rounds differently, so there batch_size is compared) —
