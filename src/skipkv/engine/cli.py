@@ -86,8 +86,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
                    help="prefill long prompts this many tokens at a time (0 = whole)")
     p.add_argument("--share-prefix", type=int, default=_ENGINE_DEFAULTS.share_prefix, metavar="N",
-                   help="prefill a prompt prefix that requests admitted together share once, when it is at least "
-                        "N tokens (a system prompt, few-shot exemplars; 0 = off, the default)")
+                   help="prefill a prompt prefix that requests admitted together share once, when it is at least N "
+                        "tokens (a system prompt, few-shot exemplars; 0 = off; "
+                        f"default {_ENGINE_DEFAULTS.share_prefix})")
     add_memory_args(p)
 
 

@@ -116,7 +116,8 @@ def register(sub) -> None:
                    help=f"prefill N tokens at a time, 0 = whole (default {d['prefill_chunk']})")
     p.add_argument("--share-prefix", type=int, metavar="N",
                    help="prefill a prompt prefix that a batch shares once, when it is at least N tokens (e.g. "
-                        "r1think's exemplars; 0 = off, the default; part of the run's identity when on)")
+                        "r1think's exemplars; 0 = off; part of the run's identity when on; "
+                        f"default {d['share_prefix']})")
     p.add_argument("--kv-memory", type=kv_memory_arg, help="KV cache memory cap, e.g. 2GiB (default: no cap)")
     p.add_argument("--prompt-style", "--prompt", choices=STYLES,
                    help=f"chat, raw, or r1think (math: thinking exemplars that re-check themselves); "
