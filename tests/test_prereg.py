@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from skipkv.report.stats import holm, mcnemar_exact
+from skipkv.report.stats import bootstrap, holm, mcnemar_exact
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,6 +105,36 @@ def test_exclude_drops_an_example_from_every_cell(prereg, tmp_path):
             prereg.exclude(prereg.load(tmp_path), [bad])
 
 
+def test_partial_scores_are_described_as_paired_differences(prereg, tmp_path):
+    """Common words and variable tracking grade a share of words found: each row's mean score, and its mean
+    paired difference from the row tested against (same examples), recounted by hand."""
+    rng = random.Random(3)
+    scores = {cell: {f"ex{i}": rng.choice([0.0, 0.2, 0.4, 0.6, 1.0]) for i in range(9)} for cell in CELLS}
+    scores["rkv-r0.05-s0"].pop("ex4")  # unfinished: ex4 leaves every row
+    for cell, by_id in scores.items():
+        d = tmp_path / "cw4k" / cell
+        d.mkdir(parents=True)
+        d.joinpath("records.jsonl").write_text("".join(
+            json.dumps({"id": i, "correct": v == 1.0, "score": v}) + "\n" for i, v in by_id.items()))
+    rows, sizes = prereg.family_rows(prereg.load(tmp_path), ("cw4k",), ["0.05"])
+    ids = [f"ex{i}" for i in range(9) if i != 4]
+    assert sizes == {"0.05": 8}
+    ref = scores["laprox-r0.05-s0"]
+    for r in rows:
+        mine = scores["full-s0" if r["policy"] == "full" else f"{r['policy']}-r0.05-s0"]
+        assert r["score"] == pytest.approx(sum(mine[i] for i in ids) / 8)
+        if r["policy"] in ("full", "laprox"):
+            assert r["score_diff"] is None
+        else:
+            assert r["score_diff"] == pytest.approx(sum(mine[i] - ref[i] for i in ids) / 8)
+            # The mean alone cannot tell paired from unpaired; the interval is over per-example differences.
+            assert r["score_diff_ci"] == bootstrap([mine[i] - ref[i] for i in ids])
+            assert r["score_diff_ci"][0] <= r["score_diff"] <= r["score_diff_ci"][1]
+    table = prereg.markdown("cw4k", rows, sizes, "note", score=True)
+    rkv = next(r for r in rows if r["policy"] == "rkv")
+    assert f"| {rkv['score_diff']:+.2f} [" in table
+
+
 def test_amendment_family_is_against_laprox_head(prereg, tmp_path):
     make(tmp_path)
     grid = prereg.load(tmp_path)
@@ -179,3 +209,30 @@ def test_skipkv_lengths_are_paired_differences(prereg_skipkv, tmp_path):
     assert steer64["n"] == len(diffs) == 23
     assert steer64["mean_diff"] == pytest.approx(sum(diffs) / len(diffs))
     assert steer64["lo"] <= steer64["mean_diff"] <= steer64["hi"]
+
+
+def test_plot_draws_accuracy_or_the_mean_score_and_refuses_families_without_one(tmp_path):
+    """benchmarks/plot_prereg.py on an analysis written by prereg.py: one PNG per family; `--score` only for
+    families whose rows carry a score interval, with a clear error otherwise."""
+    import subprocess
+    import sys
+
+    def row(policy, ratio, score=True):
+        r = {"policy": policy, "ratio": ratio, "k": 3, "n": 10, "lo": 0.1, "hi": 0.6, "p": None}
+        if score:
+            r.update(score=0.4, score_ci=[0.3, 0.5])
+        return r
+
+    report = {"cw4k": {"against": "laprox", "rows": [row(p, r) for r in ("0.05", "0.1") for p in ("full", "laprox")]},
+              "niah8k": {"against": "laprox", "rows": [row("laprox", "0.05", score=False)]}}
+    analysis = tmp_path / "analysis.json"
+    analysis.write_text(json.dumps(report))
+    plot = [sys.executable, str(ROOT / "benchmarks" / "plot_prereg.py"), str(analysis), "--out", str(tmp_path)]
+    done = subprocess.run(plot + ["--score"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "cw4k_score.png").stat().st_size > 0 and not (tmp_path / "niah8k_score.png").exists()
+    done = subprocess.run(plot + ["--score", "--family", "niah"], capture_output=True, text=True)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        "plot_prereg: no family matching --family 'niah' carries scores"]
+    assert subprocess.run(plot + ["--family", "niah"], capture_output=True).returncode == 0
+    assert (tmp_path / "niah8k.png").exists()
