@@ -3,8 +3,13 @@
 
     OMP_NUM_THREADS=1 python benchmarks/upcast_ab.py --prompt-tokens 256 --new-tokens 16 --batches 1,8 \
         --rounds 2 --out docs/results/upcast/upcast_ab_epyc_avx2.json
+    OMP_NUM_THREADS=1 python benchmarks/upcast_ab.py --variants upcast-rowmajor,upcast --batches 1,4,16,48 ...
 
-Both models are loaded in this process from the same weights (SKIPKV_UPCAST_LINEARS=0 and 1), and each round runs
+`--variants A,B` picks the two compared (B's speedup over A): `emulated` (SKIPKV_UPCAST_LINEARS=0), `upcast`
+(UpcastLinear as it is: the fp32 weight stored (in, out)) and `upcast-rowmajor` (the same products with the
+fp32 weight stored (out, in) and multiplied by `F.linear`, the layout UpcastLinear had first).
+
+Both models are loaded in this process from the same weights, and each round runs
 every case and variant in turn, so a slow spell on this shared machine hits both alike. Cases: the prefill of one
 `--prompt-tokens` prompt (time to first token), and decode at each batch from a 32-token prompt (tokens/s after
 the first token); full cache, greedy, `ignore_eos`; medians over rounds, and the share of greedy tokens on which
@@ -26,10 +31,26 @@ import torch
 from skipkv import SamplingParams, generate, hardware, load_model, make_policy
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
+from skipkv.models.packed import UpcastLinear
 from skipkv.outputs import write_atomic
 
 TEXT = ("The committee met on a grey morning to review the harbour accounts, line by line, and found that the "
         "figures for the spring quarter did not match the ledger kept by the harbour master. ")
+
+
+VARIANTS = ("emulated", "upcast", "upcast-rowmajor")
+
+
+def rowmajor(model: torch.nn.Module) -> int:
+    """Give every UpcastLinear of `model` the first layout: the fp32 weight (out, in), multiplied by F.linear."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, UpcastLinear):
+            m.weight32 = m.weight32_t.t().contiguous()
+            del m.weight32_t
+            m.forward = (lambda x, m=m: torch.nn.functional.linear(x.float(), m.weight32, m.bias32).to(x.dtype))
+            count += 1
+    return count
 
 
 def run(bundle, prompt_ids: list[int], batch: int, new_tokens: int) -> tuple[float, float, list[list[int]]]:
@@ -47,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default="emulated,upcast", help=f"two of {', '.join(VARIANTS)}: A,B")
     p.add_argument("--out")
     args = p.parse_args(argv)
     try:
@@ -57,21 +79,29 @@ def main(argv: list[str] | None = None) -> int:
         print("upcast_ab: --batches must be positive integers (e.g. 1,8), --prompt-tokens, --rounds >= 1 and "
               "--new-tokens >= 2", file=sys.stderr)
         return 2
+    variants = args.variants.split(",")
+    if len(variants) != 2 or len(set(variants)) != 2 or not set(variants) <= set(VARIANTS):
+        print(f"upcast_ab: --variants must name two different ones of {', '.join(VARIANTS)} (got {args.variants!r})",
+              file=sys.stderr)
+        return 2
     if hardware.packed_linears(torch.bfloat16, "cpu")[0]:
         print("upcast_ab: this CPU multiplies bf16 in oneDNN (prepacked linears run, not upcast); nothing to compare",
               file=sys.stderr)
         return 1
     bundles = {}
     try:
-        for flag, name in (("0", "emulated"), ("1", "upcast")):
-            os.environ[hardware.UPCAST_ENV] = flag
+        for name in variants:
+            os.environ[hardware.UPCAST_ENV] = "0" if name == "emulated" else "1"
             bundles[name] = load_model(args.model, dtype="bf16")
+            if name == "upcast-rowmajor":
+                rowmajor(bundles[name].model)
     except SkipKVError as exc:
         print(f"upcast_ab: {exc}", file=sys.stderr)
         return 1
     finally:
         os.environ.pop(hardware.UPCAST_ENV, None)
-    tok = bundles["upcast"].tokenizer
+    first, second = variants
+    tok = bundles[second].tokenizer
     long_ids = (tok.encode(TEXT * (args.prompt_tokens // 20 + 1)))[:args.prompt_tokens]
     cases = [("prefill", 1, long_ids)] + [("decode", b, long_ids[:32]) for b in batches]
     values: dict[tuple[str, int, str], list[float]] = {}
@@ -85,20 +115,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {rnd + 1} {kind} batch {batch} {name}: "
                       + (f"first token {ttft:.2f} s" if kind == "prefill" else f"decode {tps:.2f} tok/s"), flush=True)
     rows = []
-    print("\n| case | emulated bf16 | upcast | upcast speedup | greedy tokens agreeing |\n|---|---:|---:|---:|---:|")
+    print(f"\n| case | {first} | {second} | {second} speedup | greedy tokens agreeing |\n|---|---:|---:|---:|---:|")
     for kind, batch, _ in cases:
-        emu, up = (statistics.median(values[(kind, batch, n)]) for n in bundles)
-        speedup = emu / up if kind == "prefill" else up / emu
-        a, b = tokens[(kind, batch, "emulated")], tokens[(kind, batch, "upcast")]
+        a_value, b_value = (statistics.median(values[(kind, batch, n)]) for n in variants)
+        speedup = a_value / b_value if kind == "prefill" else b_value / a_value
+        a, b = tokens[(kind, batch, first)], tokens[(kind, batch, second)]
         agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
         unit = "s to first token" if kind == "prefill" else "tok/s"
         label = f"prefill {args.prompt_tokens} tokens" if kind == "prefill" else f"decode batch {batch}"
-        rows.append({"case": label, "unit": unit, "emulated": emu, "upcast": up, "speedup": speedup,
-                     "tokens_agreeing": agree, "rounds": {n: values[(kind, batch, n)] for n in bundles}})
-        print(f"| {label} ({unit}) | {emu:.2f} | {up:.2f} | {speedup:.2f}x | {agree:.3f} |")
+        rows.append({"case": label, "unit": unit, first: a_value, second: b_value, "speedup": speedup,
+                     "tokens_agreeing": agree, "rounds": {n: values[(kind, batch, n)] for n in variants}})
+        print(f"| {label} ({unit}) | {a_value:.2f} | {b_value:.2f} | {speedup:.2f}x | {agree:.3f} |")
     if args.out:
-        report = {"model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                  "rounds": args.rounds,
+        report = {"model": args.model, "variants": variants, "prompt_tokens": args.prompt_tokens,
+                  "new_tokens": args.new_tokens, "rounds": args.rounds,
                   "threads": torch.get_num_threads(), "rows": rows, "environment": hardware.environment()}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(args.out), json.dumps(report, indent=2) + "\n")
