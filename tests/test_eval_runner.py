@@ -114,6 +114,21 @@ def test_a_different_config_is_refused_and_a_larger_limit_extends(tmp_path: Path
     assert [r["id"] for r in records(out)] == ["gsm8k-test-0000", "gsm8k-test-0001"]
 
 
+def test_blind_runs_show_progress_but_no_accuracy(tmp_path: Path, capsys) -> None:
+    """`--blind` (and every sweep cell): the progress bar and the closing line leave the accuracy out; the run
+    and its records are the same."""
+    args = ["eval", "--model", "random:qwen2", "--dataset", "gsm8k", "--policy", "full", "--max-new-tokens", "4",
+            "--dtype", "fp32", "--limit", "2"]
+    assert main(args + ["--out", str(tmp_path / "seen")]) == 0
+    seen = capsys.readouterr()
+    assert "acc=" in seen.err and "accuracy" in seen.out
+    assert main(args + ["--blind", "--out", str(tmp_path / "blind")]) == 0
+    blind = capsys.readouterr()
+    assert "acc=" not in blind.err and "accuracy" not in blind.out
+    assert "2/2" in blind.err and "2 examples" in blind.out
+    assert [r["output"] for r in records(tmp_path / "blind")] == [r["output"] for r in records(tmp_path / "seen")]
+
+
 def test_budget_ratio_from_a_full_reference(tmp_path: Path) -> None:
     full, rkv = tmp_path / "full", tmp_path / "rkv"
     run_eval(small(full, policy="full", budget=None, policy_knobs={}, limit=2, max_new_tokens=20))

@@ -150,6 +150,9 @@ def test_cells_become_real_eval_configs(tmp_path):
     assert dict(configs[("niah", "full-s0")].dataset_options) == {"lengths": [4096]}
     with pytest.raises(SkipKVError, match="cell full-s0: .*batch_sise"):
         to_eval_config(expand_sweep(grid(options={"batch_sise": 4}), tmp_path)[0])
+    # a sweep's cells run blind (no running accuracy) unless its options say otherwise
+    assert all(c.blind for c in configs.values())
+    assert not to_eval_config(expand_sweep(grid(options={"blind": False}), tmp_path)[0]).blind
 
 
 def _fake(cell: dict) -> str:

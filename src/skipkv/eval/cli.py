@@ -69,14 +69,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         dataset_options={k: v for k, v in data_options.items() if v is not None},
         grader_options={k: v for k, v in (("timeout_s", args.code_timeout), ("isolation", args.sandbox))
                         if v is not None},
-        quiet=args.quiet, trace=args.trace, **{k: v for k, v in given.items() if v is not None},
+        quiet=args.quiet, blind=args.blind, trace=args.trace, **{k: v for k, v in given.items() if v is not None},
     )
     out = run_eval(cfg)
     s = json.loads((Path(out) / SUMMARY_FILE).read_text())
     if not args.quiet and not s["n"]:
         print(f"{cfg.dataset} / {cfg.policy}: no records -> {out}")
     elif not args.quiet:
-        print(f"{cfg.dataset} / {cfg.policy}: accuracy {s['accuracy']:.3f} over {s['n_examples']} examples "
+        accuracy = "" if args.blind else f"accuracy {s['accuracy']:.3f} over "
+        print(f"{cfg.dataset} / {cfg.policy}: {accuracy}{s['n_examples']} examples "
               f"({s['n']} records), {s['mean_generated_tokens']:.1f} generated tokens, "
               f"peak KV {s['peak_kv_tokens']} tokens / {s['peak_kv_bytes'] / 2**20:.2f} MiB -> {out}")
     return 0
@@ -137,6 +138,8 @@ def register(sub) -> None:
                    help="isolation of generated code (humaneval): namespaces (default; the run stops if this "
                         "machine cannot provide it) or unsafe-basic (an audit hook only; not a security boundary)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
+    p.add_argument("--blind", action="store_true",
+                   help="no running accuracy on the progress bar (sweeps always run blind)")
     p.add_argument("--trace", action="store_true", help="also record what each compression kept (traces.jsonl) "
                    "for `skipkv show`; results are unchanged")
     p.set_defaults(func=cmd_eval)

@@ -71,6 +71,8 @@ class EvalConfig:
     device: str = field(default_factory=lambda: _load_model_default("device"))
     grader_options: Mapping[str, Any] = field(default_factory=dict)  # fields of the dataset's grader, e.g. timeout_s
     quiet: bool = False
+    # Progress without the running accuracy (sweeps set it: a pre-registered grid is not watched as it runs).
+    blind: bool = False
     trace: bool = False  # also write traces.jsonl for `skipkv show` (does not change results)
     # Set from dtype: "auto" resolves to this machine's dtype at once (the run's identity names the dtype that
     # ran), and this keeps why; "requested" when a dtype was given.

@@ -206,7 +206,8 @@ def _generate(cfg: EvalConfig, bundle: Any, jobs: list[Job], sampling: SamplingP
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1
                 bar.update(1)
-                bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
+                if not cfg.blind:
+                    bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
                      EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory,

@@ -21,7 +21,7 @@ from skipkv.eval.runner import Run, close_run, open_run
 from skipkv.outputs import made_dir
 
 # Fields that may differ between the runs of one shared prefill (everything else must be equal).
-SHARED_FIELDS = frozenset({"policy", "policy_knobs", "budget", "budget_ratio", "out", "quiet"})
+SHARED_FIELDS = frozenset({"policy", "policy_knobs", "budget", "budget_ratio", "out", "quiet", "blind"})
 
 
 def shared_prefill_problem(cfg: EvalConfig) -> str | None:

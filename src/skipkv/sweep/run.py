@@ -25,8 +25,10 @@ def eval_fields(cell: Cell) -> dict[str, Any]:
 
     Fields the cell leaves unset (None, or absent) are left out, so EvalConfig's defaults apply.
     """
+    # blind: a sweep's progress bars show no running accuracy, so a grid fixed before it runs is not watched
+    # while it runs (`options: {blind: false}` shows it).
     fields: dict[str, Any] = {"model": cell["model"], "dataset": cell["dataset"], "policy": cell["policy"],
-                              "out": cell["out_dir"]}
+                              "out": cell["out_dir"], "blind": True}
     if cell["policy_knobs"]:
         fields["policy_knobs"] = dict(cell["policy_knobs"])
     if cell["dataset_options"]:
