@@ -7,7 +7,9 @@
 
 `--variants A,B` picks the two compared (B's speedup over A): `emulated` (SKIPKV_UPCAST_LINEARS=0), `upcast`
 (UpcastLinear as it is: the fp32 weight stored (in, out)) and `upcast-rowmajor` (the same products with the
-fp32 weight stored (out, in) and multiplied by `F.linear`, the layout UpcastLinear had first).
+fp32 weight stored (out, in) and multiplied by `F.linear`, the layout UpcastLinear had first); and for an fp32
+model, `fp32` (torch.nn.Linear, as loaded) and `fp32-transposed` (every linear an UpcastLinear: the weight
+stored (in, out), casts that do nothing), which measures what that layout would give the fp32 default.
 
 Both models are loaded in this process from the same weights, and each round runs
 every case and variant in turn, so a slow spell on this shared machine hits both alike. Cases: the prefill of one
@@ -31,14 +33,14 @@ import torch
 from skipkv import SamplingParams, generate, hardware, load_model, make_policy
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
-from skipkv.models.packed import UpcastLinear
+from skipkv.models.packed import UpcastLinear, upcast_linears
 from skipkv.outputs import write_atomic
 
 TEXT = ("The committee met on a grey morning to review the harbour accounts, line by line, and found that the "
         "figures for the spring quarter did not match the ledger kept by the harbour master. ")
 
 
-VARIANTS = ("emulated", "upcast", "upcast-rowmajor")
+VARIANTS = ("emulated", "upcast", "upcast-rowmajor", "fp32", "fp32-transposed")
 
 
 def rowmajor(model: torch.nn.Module) -> int:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"upcast_ab: --variants must name two different ones of {', '.join(VARIANTS)} (got {args.variants!r})",
               file=sys.stderr)
         return 2
-    if hardware.packed_linears(torch.bfloat16, "cpu")[0]:
+    if hardware.packed_linears(torch.bfloat16, "cpu")[0] and not all(v.startswith("fp32") for v in variants):
         print("upcast_ab: this CPU multiplies bf16 in oneDNN (prepacked linears run, not upcast); nothing to compare",
               file=sys.stderr)
         return 1
@@ -92,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in variants:
             os.environ[hardware.UPCAST_ENV] = "0" if name == "emulated" else "1"
-            bundles[name] = load_model(args.model, dtype="bf16")
+            bundles[name] = load_model(args.model, dtype="fp32" if name.startswith("fp32") else "bf16")
             if name == "upcast-rowmajor":
                 rowmajor(bundles[name].model)
+            elif name == "fp32-transposed":
+                upcast_linears(bundles[name].model)
     except SkipKVError as exc:
         print(f"upcast_ab: {exc}", file=sys.stderr)
         return 1
