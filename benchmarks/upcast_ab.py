@@ -43,16 +43,13 @@ TEXT = ("The committee met on a grey morning to review the harbour accounts, lin
 VARIANTS = ("emulated", "upcast", "upcast-rowmajor", "fp32", "fp32-transposed")
 
 
-def rowmajor(model: torch.nn.Module) -> int:
+def rowmajor(model: torch.nn.Module) -> None:
     """Give every UpcastLinear of `model` the first layout: the fp32 weight (out, in), multiplied by F.linear."""
-    count = 0
     for m in model.modules():
         if isinstance(m, UpcastLinear):
             m.weight32 = m.weight32_t.t().contiguous()
             del m.weight32_t
             m.forward = (lambda x, m=m: torch.nn.functional.linear(x.float(), m.weight32, m.bias32).to(x.dtype))
-            count += 1
-    return count
 
 
 def run(bundle, prompt_ids: list[int], batch: int, new_tokens: int) -> tuple[float, float, list[list[int]]]:

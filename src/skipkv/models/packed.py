@@ -57,9 +57,9 @@ class UpcastLinear(torch.nn.Module):
     on the AVX2-only AMD EPYC where this path runs, MKL's sgemm is faster on that layout than on `F.linear`'s
     (out, in): decode 1.12-1.31x at batch 1-48 and prefill 1.07x on the 0.5B model, the same greedy tokens
     (`benchmarks/upcast_ab.py --variants upcast-rowmajor,upcast`, docs/benchmarks.md). From 4 rows on it gives the
-    same bits as `F.linear` (both are MKL's gemm with the other operand transposed). Below 4 rows
-    MKL takes a gemv path whose order of sums depends on the layout, so those bits differ from `F.linear`'s, as
-    they already differ between 3 rows and 4 with either layout."""
+    same bits as `F.linear` (both are MKL's gemm with the other operand transposed; benchmarks/layout_bits.py).
+    Below 4 rows MKL takes a gemv path whose order of sums depends on the layout, so those bits differ from
+    `F.linear`'s, as they already differ between 3 rows and 4 with either layout."""
 
     def __init__(self, linear: torch.nn.Linear, keep_dense: bool) -> None:
         super().__init__()
