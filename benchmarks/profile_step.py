@@ -40,7 +40,7 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
 
 def label_of(module: torch.nn.Module) -> str | None:
     name = type(module).__name__
-    if isinstance(module, torch.nn.Linear) or name in ("PackedLinear", "UpcastLinear"):
+    if isinstance(module, torch.nn.Linear) or name in ("PackedLinear", "UpcastLinear", "TransposedLinear"):
         return "linear"
     if name.endswith("RMSNorm"):
         return "norm"

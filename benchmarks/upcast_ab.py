@@ -8,14 +8,18 @@
 `--variants A,B` picks the two compared (B's speedup over A): `emulated` (SKIPKV_UPCAST_LINEARS=0), `upcast`
 (UpcastLinear as it is: the fp32 weight stored (in, out)) and `upcast-rowmajor` (the same products with the
 fp32 weight stored (out, in) and multiplied by `F.linear`, the layout UpcastLinear had first); and for an fp32
-model, `fp32` (torch.nn.Linear, as loaded) and `fp32-transposed` (every linear an UpcastLinear: the weight
-stored (in, out), casts that do nothing), which measures what that layout would give the fp32 default.
+model, `fp32` (torch.nn.Linear, SKIPKV_TRANSPOSED_LINEARS=0) and `fp32-transposed` (every linear a
+TransposedLinear, the weight stored (in, out): SKIPKV_TRANSPOSED_LINEARS=1, the default on an AVX2-only CPU).
 
-Both models are loaded in this process from the same weights, and each round runs
-every case and variant in turn, so a slow spell on this shared machine hits both alike. Cases: the prefill of one
-`--prompt-tokens` prompt (time to first token), and decode at each batch from a 32-token prompt (tokens/s after
-the first token); full cache, greedy, `ignore_eos`; medians over rounds, and the share of greedy tokens on which
-the two variants agree (they round differently, so a near-tie may flip). On a CPU with a bf16 matmul in oneDNN
+Both models are loaded in this process from the same weights, and each round runs every case and variant in
+turn, so a slow spell on this shared machine hits both alike. Batch-1 decode streams every weight from memory once
+per token, and there the model loaded second ran slower than the first, whichever variant it was (fp32 against
+fp32-transposed on the AVX2-only EPYC, 2026-12-04: 0.87x with fp32 loaded first, 1.13x with it loaded second).
+`--fresh` runs each variant of each round in a process of its own instead, A then B in odd rounds and B then A
+in even ones. Cases: the prefill of one `--prompt-tokens` prompt (time to first token), and decode at each batch
+from a 32-token prompt (tokens/s after the first token); full cache, greedy, `ignore_eos`; medians over rounds,
+and the share of greedy tokens on which the two variants agree (they round differently, so a near-tie may flip).
+On a CPU with a bf16 matmul in oneDNN
 the default is prepacked linears, not this; the script says so and stops.
 """
 
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +38,7 @@ import torch
 from skipkv import SamplingParams, generate, hardware, load_model, make_policy
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
-from skipkv.models.packed import UpcastLinear, upcast_linears
+from skipkv.models.packed import UpcastLinear
 from skipkv.outputs import write_atomic
 
 TEXT = ("The committee met on a grey morning to review the harbour accounts, line by line, and found that the "
@@ -60,6 +65,36 @@ def run(bundle, prompt_ids: list[int], batch: int, new_tokens: int) -> tuple[flo
     return ttft, batch * (new_tokens - 1) / decode, [r.token_ids for r in results]
 
 
+def load(name: str, model: str):
+    """The model of variant `name` (VARIANTS), its linears as that variant has them."""
+    os.environ[hardware.UPCAST_ENV] = "0" if name == "emulated" else "1"
+    os.environ[hardware.TRANSPOSE_ENV] = "1" if name == "fp32-transposed" else "0"
+    try:
+        bundle = load_model(model, dtype="fp32" if name.startswith("fp32") else "bf16")
+    finally:
+        os.environ.pop(hardware.UPCAST_ENV, None)
+        os.environ.pop(hardware.TRANSPOSE_ENV, None)
+    if name == "upcast-rowmajor":
+        rowmajor(bundle.model)
+    return bundle
+
+
+def measure(bundle, kind: str, batch: int, args: argparse.Namespace) -> tuple[float, list[list[int]]]:
+    """One case: (seconds to the first token of one --prompt-tokens prompt, or decode tokens/s at `batch` from a
+    32-token prompt; the greedy tokens)."""
+    ids = bundle.tokenizer.encode(TEXT * (args.prompt_tokens // 20 + 1))[:args.prompt_tokens]
+    if kind == "prefill":
+        ttft, _, toks = run(bundle, ids, 1, 2)
+        return ttft, toks
+    _, tps, toks = run(bundle, ids[:32], batch, args.new_tokens)
+    return tps, toks
+
+
+def _passed(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+            "--batches", args.batches]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -68,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", default="emulated,upcast", help=f"two of {', '.join(VARIANTS)}: A,B")
+    p.add_argument("--fresh", action="store_true", help="each variant of each round in a process of its own")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out")
     args = p.parse_args(argv)
     try:
@@ -79,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
               "--new-tokens >= 2", file=sys.stderr)
         return 2
     variants = args.variants.split(",")
-    if len(variants) != 2 or len(set(variants)) != 2 or not set(variants) <= set(VARIANTS):
+    if args.one and len(variants) == 1 and variants[0] in VARIANTS:
+        pass
+    elif len(variants) != 2 or len(set(variants)) != 2 or not set(variants) <= set(VARIANTS):
         print(f"upcast_ab: --variants must name two different ones of {', '.join(VARIANTS)} (got {args.variants!r})",
               file=sys.stderr)
         return 2
@@ -87,37 +126,44 @@ def main(argv: list[str] | None = None) -> int:
         print("upcast_ab: this CPU multiplies bf16 in oneDNN (prepacked linears run, not upcast); nothing to compare",
               file=sys.stderr)
         return 1
-    bundles = {}
+    cases = [("prefill", 1)] + [("decode", b) for b in batches]
+    values: dict[tuple[str, int, str], list[float]] = {}
+    tokens: dict[tuple[str, int, str], list[list[int]]] = {}
     try:
-        for name in variants:
-            os.environ[hardware.UPCAST_ENV] = "0" if name == "emulated" else "1"
-            bundles[name] = load_model(args.model, dtype="fp32" if name.startswith("fp32") else "bf16")
-            if name == "upcast-rowmajor":
-                rowmajor(bundles[name].model)
-            elif name == "fp32-transposed":
-                upcast_linears(bundles[name].model)
+        if args.one:  # a child of --fresh: one variant, one round, its results as JSON on stdout
+            bundle = load(variants[0], args.model)
+            print(json.dumps([[kind, batch, *measure(bundle, kind, batch, args)] for kind, batch in cases]))
+            return 0
+        bundles = {} if args.fresh else {name: load(name, args.model) for name in variants}
     except SkipKVError as exc:
         print(f"upcast_ab: {exc}", file=sys.stderr)
         return 1
-    finally:
-        os.environ.pop(hardware.UPCAST_ENV, None)
     first, second = variants
-    tok = bundles[second].tokenizer
-    long_ids = (tok.encode(TEXT * (args.prompt_tokens // 20 + 1)))[:args.prompt_tokens]
-    cases = [("prefill", 1, long_ids)] + [("decode", b, long_ids[:32]) for b in batches]
-    values: dict[tuple[str, int, str], list[float]] = {}
-    tokens: dict[tuple[str, int, str], list[list[int]]] = {}
     for rnd in range(args.rounds):
-        for kind, batch, ids in cases:
+        if args.fresh:
+            for name in (variants if rnd % 2 == 0 else variants[::-1]):
+                child = subprocess.run([sys.executable, __file__, "--one", "--variants", name, *_passed(args)],
+                                       capture_output=True, text=True)
+                if child.returncode != 0:
+                    print(f"upcast_ab: the {name} process failed: {child.stderr.strip().splitlines()[-1:]}",
+                          file=sys.stderr)
+                    return 1
+                for kind, batch, value, toks in json.loads(child.stdout.strip().splitlines()[-1]):
+                    values.setdefault((kind, batch, name), []).append(value)
+                    tokens[(kind, batch, name)] = toks
+                    print(f"round {rnd + 1} {kind} batch {batch} {name} (own process): {value:.2f} "
+                          + ("s to first token" if kind == "prefill" else "tok/s"), flush=True)
+            continue
+        for kind, batch in cases:
             for name, bundle in bundles.items():
-                ttft, tps, toks = run(bundle, ids, batch, args.new_tokens if kind == "decode" else 2)
-                values.setdefault((kind, batch, name), []).append(ttft if kind == "prefill" else tps)
+                value, toks = measure(bundle, kind, batch, args)
+                values.setdefault((kind, batch, name), []).append(value)
                 tokens[(kind, batch, name)] = toks
-                print(f"round {rnd + 1} {kind} batch {batch} {name}: "
-                      + (f"first token {ttft:.2f} s" if kind == "prefill" else f"decode {tps:.2f} tok/s"), flush=True)
+                print(f"round {rnd + 1} {kind} batch {batch} {name}: {value:.2f} "
+                      + ("s to first token" if kind == "prefill" else "tok/s"), flush=True)
     rows = []
     print(f"\n| case | {first} | {second} | {second} speedup | greedy tokens agreeing |\n|---|---:|---:|---:|---:|")
-    for kind, batch, _ in cases:
+    for kind, batch in cases:
         a_value, b_value = (statistics.median(values[(kind, batch, n)]) for n in variants)
         speedup = a_value / b_value if kind == "prefill" else b_value / a_value
         a, b = tokens[(kind, batch, first)], tokens[(kind, batch, second)]
@@ -129,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} ({unit}) | {a_value:.2f} | {b_value:.2f} | {speedup:.2f}x | {agree:.3f} |")
     if args.out:
         report = {"model": args.model, "variants": variants, "prompt_tokens": args.prompt_tokens,
-                  "new_tokens": args.new_tokens, "rounds": args.rounds,
+                  "new_tokens": args.new_tokens, "rounds": args.rounds, "fresh_processes": args.fresh,
                   "threads": torch.get_num_threads(), "rows": rows, "environment": hardware.environment()}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(args.out), json.dumps(report, indent=2) + "\n")

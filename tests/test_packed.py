@@ -1,5 +1,5 @@
-"""Prepacked and upcast linears (models/packed.py): what each computes, chosen by hardware.packed_linears and
-hardware.upcast_linears."""
+"""Prepacked, upcast and transposed linears (models/packed.py): what each computes, chosen by
+hardware.packed_linears, hardware.upcast_linears and hardware.transposed_linears."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from skipkv import SamplingParams, generate, hardware, make_policy
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
-from skipkv.models.packed import PackedLinear, UpcastLinear
+from skipkv.models.packed import PackedLinear, TransposedLinear, UpcastLinear, transpose_linears
+from skipkv.models.random import _TINY
 
 SUPPORTED = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 needs_bf16 = pytest.mark.skipif(not SUPPORTED, reason="oneDNN has no bf16 on this CPU")
@@ -124,3 +125,106 @@ def test_only_bf16_on_a_cpu_without_onednn_bf16_upcasts(monkeypatch):
     monkeypatch.setenv(hardware.UPCAST_ENV, "yes")
     with pytest.raises(SkipKVError, match="SKIPKV_UPCAST_LINEARS must be 0 or 1"):
         hardware.upcast_linears(torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(1,), (3, 1), (4,), (2, 7), (48, 1)])
+def test_transposed_linear_is_the_fp32_linear_with_one_copy(bias, lead):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(896, 320, bias=bias)
+    x = torch.randn(*lead, 896)
+    tr = TransposedLinear(lin, keep_dense=False)
+    out = tr(x)
+    assert out.dtype == torch.float32 and out.shape == (*lead, 320)
+    ref = torch.nn.functional.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    # fp32 sums in MKL's order for this layout: within a few fp32 steps of the fp64 result
+    assert ((out.double() - ref).abs() <= 64 * torch.finfo(torch.float32).eps * ref.abs().clamp_min(1)).all()
+    assert torch.allclose(out, lin(x), rtol=1e-5, atol=1e-5)
+    assert tr.weight32_t.shape == (896, 320) and tr.weight32_t.is_contiguous() and not hasattr(tr, "weight")
+    dense = TransposedLinear(lin, keep_dense=True)
+    # the (out, in) weight LaProx and the fidelity benchmark read: the same values, a view of the one copy
+    assert torch.equal(dense.weight, lin.weight) and dense.weight.data_ptr() == dense.weight32_t.data_ptr()
+
+
+def test_fp32_models_transpose_on_request_and_compute_the_same_function(monkeypatch):
+    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "0")
+    plain = load_model("random:qwen2:sharp", dtype="fp32")
+    assert isinstance(plain.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
+    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "1")
+    tr = load_model("random:qwen2:sharp", dtype="fp32")
+    assert "stored (in, out)" in tr.packed_linears and tr.dtype == torch.float32
+    layer = tr.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_proj, TransposedLinear) and not hasattr(layer.mlp.gate_proj, "weight")
+    assert not isinstance(layer.mlp.gate_proj, UpcastLinear)
+    assert torch.equal(layer.self_attn.o_proj.weight, plain.model.model.layers[0].self_attn.o_proj.weight)
+    ids = torch.tensor([list(range(5, 69))])
+    with torch.no_grad():
+        a, b = tr.model(ids).logits, plain.model(ids).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    # LaProx reads o_proj.weight (here the view): the same selections and tokens on the sharp model
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = ["The quick brown fox jumps over the lazy dog " * 3, "2 + 2 = 4, and 3 + 3 = 6; " * 4]
+    for policy in (make_policy("full"), make_policy("laprox", budget=16, prefill_window=4)):
+        ra, rb = generate(tr, prompts, sp, policy), generate(plain, prompts, sp, policy)
+        assert [r.token_ids for r in ra] == [r.token_ids for r in rb]
+
+
+def test_a_tied_output_layer_keeps_one_transposed_copy():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**_TINY, tie_word_embeddings=True)).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([[3, 17, 255, 4, 99, 500, 1, 2]])
+    with torch.no_grad():
+        before = model(ids).logits
+    assert transpose_linears(model) == 15
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, TransposedLinear) and head.weight is embed.weight
+    assert embed.weight.data_ptr() == head.weight32_t.data_ptr()  # one copy of the vocab x hidden matrix
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.allclose(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_only_fp32_on_an_avx2_cpu_without_avx512_transposes(monkeypatch):
+    monkeypatch.delenv(hardware.TRANSPOSE_ENV, raising=False)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})
+    assert hardware.transposed_linears(torch.float32, "cpu")[0] is True
+    assert hardware.transposed_linears(torch.float64, "cpu")[0] is False
+    assert hardware.transposed_linears(torch.bfloat16, "cpu")[0] is False
+    assert hardware.transposed_linears(torch.float32, "cuda")[0] is False
+    assert "stored (in, out)" in load_model("random:qwen2", dtype="fp32").packed_linears
+    assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp64").packed_linears
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert hardware.transposed_linears(torch.float32, "cpu") == (
+        False, "CPU with AVX512: the transposed layout was measured on AVX2-only CPUs only")
+    assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp32").packed_linears
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: set())
+    assert hardware.transposed_linears(torch.float32, "cpu")[0] is False
+    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "1")
+    assert hardware.transposed_linears(torch.float32, "cpu") == (True, "SKIPKV_TRANSPOSED_LINEARS=1 (overridden)")
+    assert hardware.transposed_linears(torch.float64, "cpu")[0] is False
+    assert hardware.environment()["transposed_linears_cpu_fp32"]["transposed"] is True
+    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "0")
+    assert hardware.transposed_linears(torch.float32, "cpu") == (False, "SKIPKV_TRANSPOSED_LINEARS=0 (overridden)")
+    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "true")
+    with pytest.raises(SkipKVError, match="SKIPKV_TRANSPOSED_LINEARS must be 0 or 1"):
+        hardware.transposed_linears(torch.float32, "cpu")
+
+
+def test_replacing_linears_frees_each_old_weight_before_the_next_copy(monkeypatch):
+    import weakref
+
+    from skipkv.models import packed
+
+    model = load_model("random:qwen2", dtype="fp64").model  # fp64: nothing replaced at load
+    old = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    alive_at_release = []
+    monkeypatch.setattr(packed, "release_free_memory", lambda: alive_at_release.append(sum(r() is not None
+                                                                                         for r in old)))
+    assert transpose_linears(model) == len(old) == 15
+    # after the k-th replacement only the 15 - k weights not yet replaced are alive: the pages of each old one
+    # can go back to the kernel before the next copy is made
+    assert alive_at_release == list(range(len(old) - 1, -1, -1))
+    assert hardware.release_free_memory() is (hardware._glibc() is not None)

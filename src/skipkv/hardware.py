@@ -59,6 +59,16 @@ kernels). Activations, the KV cache and its bytes stay bf16; the weights take tw
 2-core EPYC without AVX512 (AVX2 only) by `benchmarks/upcast_ab.py` (docs/benchmarks.md): prefill 4.64x, decode
 1.17x at batch 1 and 1.99x at batch 8, greedy tokens identical. `SKIPKV_UPCAST_LINEARS=1|0` overrides.
 
+Linear weights of an fp32 model (`transposed_linears`): on an x86 CPU with AVX2 and without AVX512 (where `auto`
+picks fp32), every linear stores its weight once, transposed to (in, out), and multiplies `x @ W^T` (models/packed.py,
+TransposedLinear): MKL's sgemm is faster on that layout. A 2-core AMD EPYC without AVX512, Qwen2.5-Coder-0.5B, one
+thread, each variant in a process of its own, 4 rounds alternating (`benchmarks/upcast_ab.py --variants
+fp32,fp32-transposed --fresh`, docs/benchmarks.md): prefill 1.06x, decode 1.17x at batch 1, 1.28x at 4, 1.14x at
+16, 1.12x at 48, faster in every round, greedy tokens identical. From 4 rows on the bits are those of `F.linear`;
+with 1-3 rows MKL sums in another order, as it does with either layout between 3 rows and 4
+(benchmarks/layout_bits.py). Not measured on a CPU with AVX512, so off there. `SKIPKV_TRANSPOSED_LINEARS=1|0`
+overrides.
+
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
 changes it, and the record keeps what ran.
 
@@ -96,6 +106,7 @@ OVERRIDE_ENV = "SKIPKV_CPU_BF16"
 SDPA_ENV = "SKIPKV_DECODE_SDPA"
 PACK_ENV = "SKIPKV_PACKED_LINEARS"
 UPCAST_ENV = "SKIPKV_UPCAST_LINEARS"
+TRANSPOSE_ENV = "SKIPKV_TRANSPOSED_LINEARS"
 PV_ENV = "SKIPKV_DECODE_PV"
 BUCKET_ENV = "SKIPKV_DECODE_PV_BUCKETS"
 MALLOC_ENV = "SKIPKV_MALLOC"
@@ -295,6 +306,25 @@ def upcast_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tu
     return True, "CPU without a bf16 matmul in oneDNN: fp32 products of the upcast weights, rounded to bf16"
 
 
+def transposed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
+    """Whether an fp32 model on a CPU stores its linear weights transposed, (in, out), and multiplies `x @ W^T`
+    (models/packed.py, TransposedLinear), and why (module docstring): on an x86 CPU with AVX2 and without AVX512,
+    where MKL's sgemm was measured faster on that layout; not measured on a CPU with AVX512, so off there."""
+    forced = os.environ.get(TRANSPOSE_ENV)
+    if forced is not None and forced not in ("0", "1"):
+        raise SkipKVError(f"{TRANSPOSE_ENV} must be 0 or 1, got {forced!r}")
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        kind = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}"
+        return False, f"{kind}: the transposed layout is for fp32 on a CPU"
+    if forced is not None:
+        return forced == "1", f"{TRANSPOSE_ENV}={forced} (overridden)"
+    flags = cpu_flags()
+    if "avx2" in flags and "avx512f" not in flags:
+        return True, "x86 CPU with AVX2, without AVX512: MKL's sgemm is faster on (in, out) weights"
+    return False, ("CPU with AVX512: the transposed layout was measured on AVX2-only CPUs only" if "avx512f" in flags
+                   else "not an AVX2 CPU: the transposed layout was measured on AVX2-only x86 CPUs only")
+
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _TOP_PAD = 64 << 20  # each heap growth asks the kernel for 64 MiB more than needed: fewer brk calls
@@ -345,6 +375,19 @@ def tune_allocator() -> dict[str, Any]:
         _allocator = {"mode": "glibc-partial", "reason": "glibc accepted only mallopt "
                       + ", ".join(k for k, ok in accepted.items() if ok)}
     return dict(_allocator)
+
+
+def release_free_memory() -> bool:
+    """Give the pages of freed heap blocks back to the kernel (glibc's malloc_trim(0)); True if it ran. The heap
+    is otherwise never trimmed here (tune_allocator), which is right for the steady state but not after a model's
+    weights are replaced at load (models/packed.py): the old copies are freed between new ones of other shapes,
+    and the holes they leave are too fragmented to take the next copies, so without this a 0.5B fp32 model held
+    ~1.4 GB more than its weights (measured with mallinfo2 and /proc/self/statm)."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def resolve_auto(dtype: str, device: str | torch.device | None = "cpu") -> tuple[str, DtypeChoice | None]:
@@ -429,6 +472,8 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
     env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
     upcast, why = upcast_linears(torch.bfloat16, "cpu")
     env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
+    transposed, why = transposed_linears(torch.float32, "cpu")
+    env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
     env["allocator"] = dict(_allocator)
     return env
 
@@ -440,4 +485,5 @@ if __name__ == "__main__":
                       "decode_sdpa_cpu": decode_sdpa("cpu"), "decode_pv": decode_pv(),
                       "decode_pv_key_buckets_bf16": pv_buckets(torch.bfloat16),
                       "packed_linears_cpu_bf16": packed_linears(torch.bfloat16, "cpu"),
-                      "upcast_linears_cpu_bf16": upcast_linears(torch.bfloat16, "cpu")}, indent=2))
+                      "upcast_linears_cpu_bf16": upcast_linears(torch.bfloat16, "cpu"),
+                      "transposed_linears_cpu_fp32": transposed_linears(torch.float32, "cpu")}, indent=2))

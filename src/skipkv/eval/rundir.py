@@ -22,8 +22,10 @@ directory is used again; any difference is a SkipKVError, so one directory never
   engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
                                  16-bit dtypes, see below; share_prefix only when on, so older dirs resume)
 Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
---samples extends a run, and in fp32/fp64 batch size does not change tokens (the engine's batch == singles
-invariant; in bf16/fp16 a padded row rounds differently, so there batch_size is compared) —
+--samples extends a run, and in fp64 batch size does not change tokens (the engine's batch == singles
+invariant), in fp32 only by the last bits (MKL sums 1-3 rows in another order than 4 or more, as another
+processor's kernels would: a near-tie can flip, which is not compared either); in bf16/fp16 a padded row rounds
+differently, so there batch_size is compared) —
 and environment {git_revision, git_dirty, versions, machine, created}, except that a 16-bit CPU run resumes
 only on the decode attention it recorded (environment.decode_attention_cpu: kernel and p.V dtype).
 

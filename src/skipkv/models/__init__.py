@@ -19,7 +19,14 @@ from urllib.parse import urlsplit
 import torch
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import DtypeChoice, packed_linears, resolve_auto, tune_allocator, upcast_linears
+from skipkv.hardware import (
+    DtypeChoice,
+    packed_linears,
+    resolve_auto,
+    transposed_linears,
+    tune_allocator,
+    upcast_linears,
+)
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -37,8 +44,8 @@ class ModelBundle:
     name: str
     family: str
     dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
-    # how the linears multiply (models/packed.py: prepacked, upcast to fp32, or plain) and why
-    # (hardware.packed_linears, hardware.upcast_linears)
+    # how the linears multiply (models/packed.py: prepacked, upcast to fp32, transposed, or plain) and why
+    # (hardware.packed_linears, hardware.upcast_linears, hardware.transposed_linears)
     packed_linears: str = ""
 
     @property
@@ -227,8 +234,8 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 
 
 def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeChoice | None) -> ModelBundle:
-    """The bundle, with the linears prepacked or upcast where that is faster (hardware.packed_linears,
-    hardware.upcast_linears)."""
+    """The bundle, with the linears prepacked, upcast or transposed where that is faster (hardware.packed_linears,
+    hardware.upcast_linears, hardware.transposed_linears)."""
     from skipkv.models import packed
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -237,6 +244,9 @@ def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeCho
         why = f"{packed.pack_linears(model)} linears prepacked: {why}"
     else:
         upcast, up_why = upcast_linears(dtype, device)
+        transposed, tr_why = transposed_linears(dtype, device)
         if upcast:
             why = f"{packed.upcast_linears(model)} linears upcast to fp32: {up_why}"
+        elif transposed:
+            why = f"{packed.transpose_linears(model)} linears stored (in, out): {tr_why}"
     return ModelBundle(model, tokenizer, name, family, choice, why)
