@@ -9,7 +9,8 @@
 (UpcastLinear as it is: the fp32 weight stored (in, out)) and `upcast-rowmajor` (the same products with the
 fp32 weight stored (out, in) and multiplied by `F.linear`, the layout UpcastLinear had first); and for an fp32
 model, `fp32` (torch.nn.Linear, SKIPKV_TRANSPOSED_LINEARS=0) and `fp32-transposed` (every linear a
-TransposedLinear, the weight stored (in, out): SKIPKV_TRANSPOSED_LINEARS=1, the default on an AVX2-only CPU).
+TransposedLinear, the weight stored (in, out): SKIPKV_TRANSPOSED_LINEARS=1, the default on an AVX2-only CPU),
+and `fp32-packed` (PackedLinear: oneDNN-prepacked fp32 weights, SKIPKV_PACKED_LINEARS=1, opt-in).
 
 Both models are loaded in this process from the same weights, and each round runs every case and variant in
 turn, so a slow spell on this shared machine hits both alike. Batch-1 decode streams every weight from memory once
@@ -45,7 +46,7 @@ TEXT = ("The committee met on a grey morning to review the harbour accounts, lin
         "figures for the spring quarter did not match the ledger kept by the harbour master. ")
 
 
-VARIANTS = ("emulated", "upcast", "upcast-rowmajor", "fp32", "fp32-transposed")
+VARIANTS = ("emulated", "upcast", "upcast-rowmajor", "fp32", "fp32-transposed", "fp32-packed")
 
 
 def rowmajor(model: torch.nn.Module) -> None:
@@ -69,11 +70,13 @@ def load(name: str, model: str):
     """The model of variant `name` (VARIANTS), its linears as that variant has them."""
     os.environ[hardware.UPCAST_ENV] = "0" if name == "emulated" else "1"
     os.environ[hardware.TRANSPOSE_ENV] = "1" if name == "fp32-transposed" else "0"
+    os.environ[hardware.PACK_ENV] = "1" if name == "fp32-packed" else "0"
     try:
         bundle = load_model(model, dtype="fp32" if name.startswith("fp32") else "bf16")
     finally:
         os.environ.pop(hardware.UPCAST_ENV, None)
         os.environ.pop(hardware.TRANSPOSE_ENV, None)
+        os.environ.pop(hardware.PACK_ENV, None)
     if name == "upcast-rowmajor":
         rowmajor(bundle.model)
     return bundle

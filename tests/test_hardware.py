@@ -363,3 +363,22 @@ def test_a_freed_large_block_is_reused_without_page_faults():
     assert tuned[0] == "glibc-heap" and system[0] == "system"
     assert system[1] > 4 * 8000, system
     assert tuned[1] < system[1] / 10, (tuned, system)
+
+
+@pytest.mark.parametrize("env, check", [
+    (hardware.OVERRIDE_ENV, lambda: hardware.native_bf16()),
+    (hardware.SDPA_ENV, lambda: hardware.decode_sdpa("cpu")),
+    (hardware.BUCKET_ENV, lambda: hardware.pv_buckets(torch.bfloat16)),
+    (hardware.PACK_ENV, lambda: hardware.packed_linears(torch.bfloat16)),
+    (hardware.UPCAST_ENV, lambda: hardware.upcast_linears(torch.bfloat16)),
+    (hardware.TRANSPOSE_ENV, lambda: hardware.transposed_linears(torch.float32)),
+])
+def test_every_on_off_override_rejects_other_values(monkeypatch, env, check):
+    """Each 0/1 switch names itself in a one-line error for any other value, and takes 0 and 1."""
+    monkeypatch.setenv(env, "on")
+    with pytest.raises(SkipKVError, match=f"^{env} must be 0 or 1, got 'on'$"):
+        check()
+    for value in ("0", "1"):
+        monkeypatch.setenv(env, value)
+        ok, why = check()
+        assert isinstance(ok, bool) and why

@@ -60,6 +60,24 @@ def test_only_bf16_on_a_cpu_packs(monkeypatch):
         hardware.packed_linears(torch.bfloat16, "cpu")
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_fp32_packs_only_when_asked_and_computes_the_same_linear(monkeypatch):
+    """fp32 prepacking is opt-in (SKIPKV_PACKED_LINEARS=1): oneDNN's fp32 kernel sums in another order than
+    MKL's, so its products agree to fp32 rounding, not bit for bit."""
+    monkeypatch.setenv(hardware.PACK_ENV, "1")
+    assert hardware.packed_linears(torch.float32, "cpu") == (True, "CPU, fp32, oneDNN (SKIPKV_PACKED_LINEARS=1)")
+    assert hardware.packed_linears(torch.float64, "cpu")[0] is False
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 80)
+    for lead in ((1,), (5,), (2, 7)):
+        x = torch.randn(*lead, 96)
+        torch.testing.assert_close(PackedLinear(lin, keep_dense=False)(x), lin(x), rtol=1e-5, atol=1e-5)
+    bundle = load_model("random:qwen2", dtype="fp32")
+    assert "prepacked" in bundle.packed_linears
+    assert isinstance(bundle.model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert bundle.model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32  # LaProx reads it
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(1,), (3, 1), (4,), (2, 7), (48, 1)])
 def test_upcast_linear_is_fp32_products_rounded_once(bias, lead):

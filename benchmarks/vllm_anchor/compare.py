@@ -6,8 +6,13 @@
     python benchmarks/vllm_anchor/compare.py --workload synthetic:128x4096 --requests 64 --window-s 600 \\
         --kv-cap-gib 1 --arm vllm --arm skipkv:full --arm skipkv:rkv:budget=256 --rounds 1 --out ...
 
-An arm is `vllm` or `skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]` (`cap=0`: no KV memory cap for this
-arm, e.g. the physical ceiling: the full cache uncapped at the batch rkv reaches). Every run is a fresh process
+An arm is `vllm[:dtype=D][:reserved=N]` or `skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]`.
+`cap=0`: no KV memory cap for this arm, e.g. the physical ceiling: the full cache uncapped at the batch rkv
+reaches. `dtype`: vLLM's `--dtype`, default bfloat16 (its own default on a CPU); `float32` on a CPU without
+AVX512, where oneDNN has no bf16 linear and vLLM falls back to torch's. `reserved`: VLLM_CPU_NUM_OF_RESERVED_CPU,
+the cores vLLM keeps free of its model's threads: on x86 it reserves one per rank for its engine-core (scheduler)
+process, which polls, so on a 2 vCPU machine its model runs on one core by default; `reserved=0` gives it both.
+Ratios are to the first vLLM arm named. Every run is a fresh process
 (model load and warm-up untimed) on the same token ids; the arms' order rotates each round so drift on a shared
 machine hits all of them alike. The JSON keeps every run, each arm's median tokens/s and its ratio to vLLM's
 median, and the machine (processor, flags, load average). A benchmark, not a test: CI does not install vLLM.
@@ -39,18 +44,23 @@ def default_venv() -> Path:
 
 
 def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]:
-    if arm == "vllm":
+    parts = arm.split(":")
+    if parts[0] == "vllm":
+        opts = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        if set(opts) - {"dtype", "reserved"} or len(opts) != len(parts) - 1:
+            sys.exit(f"compare.py: error: bad arm {arm!r}; use vllm[:dtype=D][:reserved=N]")
         cmd = [str(args.venv / "bin" / "python"), str(HERE / "vllm_run.py"), str(workload)]
+        if "dtype" in opts:
+            cmd += ["--dtype", opts["dtype"]]
         if args.kv_cap_gib:
             cmd += ["--kv-space-gib", f"{args.kv_cap_gib:g}"]
         if args.window_s:
             cmd += ["--window-s", str(args.window_s)]
         return cmd
-    parts = arm.split(":")
-    if parts[0] != "skipkv" or len(parts) < 2:
+    opts = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+    if parts[0] != "skipkv" or len(parts) < 2 or len(opts) != len(parts) - 2:
         sys.exit(f"compare.py: error: bad arm {arm!r}; "
-                 "use vllm or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
-    opts = dict(p.split("=", 1) for p in parts[2:])
+                 "use vllm[:dtype=D][:reserved=N] or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
     cmd = [sys.executable, str(HERE / "skipkv_run.py"), str(workload), "--policy", parts[1]]
     for key in ("budget", "interval"):
         if key in opts:
@@ -70,8 +80,12 @@ GLIBC_HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 -
 def arm_env(arm: str, allocator: str) -> dict[str, str]:
     """The environment of one arm's process: the same allocator setting for both engines (module docstring)."""
     env = {**os.environ, "SKIPKV_MALLOC": allocator}
-    if arm == "vllm" and allocator == "heap":
+    parts = arm.split(":")
+    if parts[0] == "vllm" and allocator == "heap":
         env.update(GLIBC_HEAP_ENV)
+    for part in parts[1:]:
+        if parts[0] == "vllm" and part.startswith("reserved="):
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = part.split("=", 1)[1]
     return env
 
 
@@ -105,7 +119,10 @@ def main() -> None:
                     help="glibc heap kept for reuse in both engines (default), or glibc's defaults in both")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if "vllm" in args.arm and not (args.venv / "bin" / "python").exists():
+    vllm_arms = [a for a in args.arm if a.split(":")[0] == "vllm"]
+    for arm in args.arm:  # a bad arm fails here, before minutes of runs
+        arm_command(arm, Path("w.json"), args)
+    if vllm_arms and not (args.venv / "bin" / "python").exists():
         sys.exit(f"compare.py: error: no vLLM venv at {args.venv}; run benchmarks/vllm_anchor/setup_venv.sh first")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +142,7 @@ def main() -> None:
             print(f"round {r} {arm}: {res['tokens_per_s']:.1f} tokens/s, batch {res['max_batch']}, "
                   f"{res['generated_tokens']} tokens in {res['wall_s']:.0f} s", flush=True)
     medians = {arm: statistics.median(x["tokens_per_s"] for x in runs if x["arm"] == arm) for arm in args.arm}
-    base = medians.get("vllm")
+    base = medians[vllm_arms[0]] if vllm_arms else None
     summary = {arm: {"median_tokens_per_s": m, "vs_vllm": (m / base if base else None),
                      "max_batch": max(x["max_batch"] for x in runs if x["arm"] == arm),
                      "tokens_per_s_each": [round(x["tokens_per_s"], 2) for x in runs if x["arm"] == arm]}

@@ -84,6 +84,7 @@ def main() -> None:
     generated = sum(tokens.values())
     print(json.dumps({"engine": "vllm", "vllm": vllm.__version__, "torch": torch.__version__, "dtype": args.dtype,
                       "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                      "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
                       "memory_utilization": args.memory_utilization, "threads": torch.get_num_threads(),
                       "load_s": round(load_s, 1), "tokens_per_s": generated / wall, "generated_tokens": generated,
                       "wall_s": wall, "max_batch": max_batch, "finished": finished, "steps": steps,

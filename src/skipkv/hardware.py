@@ -48,7 +48,9 @@ overrides the probe.
 
 Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
 weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
-(figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides.
+(figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides. With `=1` an fp32 model on a CPU is packed
+too (opt-in: oneDNN's fp32 products agree with MKL's to rounding, not bit for bit; on an AVX2-only EPYC, two
+threads, batch-16 decode 2.07x the transposed layout's, docs/benchmarks.md).
 
 Linear weights where the CPU has no bf16 matmul (`upcast_linears`): a bf16 model there (`--dtype bf16` on purpose,
 e.g. a pinned grid resumed on such a processor; `auto` picks fp32) would have torch emulate every bf16 product. The
@@ -143,12 +145,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def _switch(name: str, value: str | None) -> str | None:
+    """An on/off override's value, "0" or "1", or None when it is unset; anything else is a one-line error."""
+    if value is not None and value not in ("0", "1"):
+        raise SkipKVError(f"{name} must be 0 or 1, got {value!r}")
+    return value
+
+
 def native_bf16() -> tuple[bool, str]:
     """Whether this CPU multiplies bf16 natively, and the evidence (torch's checks first, /proc/cpuinfo otherwise)."""
-    forced = os.environ.get(OVERRIDE_ENV)
+    forced = _switch(OVERRIDE_ENV, os.environ.get(OVERRIDE_ENV))
     if forced is not None:
-        if forced not in ("0", "1"):
-            raise SkipKVError(f"{OVERRIDE_ENV} must be 0 or 1, got {forced!r}")
         return forced == "1", f"{OVERRIDE_ENV}={forced} (overridden)"
     avx512_bf16, amx = _torch_check("_is_avx512_bf16_supported"), _torch_check("_is_amx_tile_supported")
     if avx512_bf16 is not None or amx is not None:
@@ -182,9 +189,7 @@ def has_amx() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=8)
 def _decode_sdpa(device_type: str, forced: str | None) -> tuple[bool, str]:
-    if forced is not None:
-        if forced not in ("0", "1"):
-            raise SkipKVError(f"{SDPA_ENV} must be 0 or 1, got {forced!r}")
+    if _switch(SDPA_ENV, forced) is not None:
         return forced == "1", f"{SDPA_ENV}={forced} (overridden)"
     if device_type != "cpu":
         return True, f"{device_type} device"
@@ -244,9 +249,7 @@ def _padding_is_exact(dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _pv_buckets(dtype: torch.dtype, forced: str | None) -> tuple[bool, str]:
-    if forced is not None:
-        if forced not in ("0", "1"):
-            raise SkipKVError(f"{BUCKET_ENV} must be 0 or 1, got {forced!r}")
+    if _switch(BUCKET_ENV, forced) is not None:
         return forced == "1", f"{BUCKET_ENV}={forced} (overridden)"
     if dtype != torch.bfloat16:
         return False, f"{str(dtype).removeprefix('torch.')}: key buckets are used for bf16 only"
@@ -272,14 +275,14 @@ def attention_kernel(record: dict[str, Any] | None) -> tuple[str, str]:
 
 def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
     """Whether a model in `dtype` on `device` runs its linears with oneDNN-prepacked weights, and why."""
-    forced = os.environ.get(PACK_ENV)
+    forced = _switch(PACK_ENV, os.environ.get(PACK_ENV))
     if forced is not None:
-        if forced not in ("0", "1"):
-            raise SkipKVError(f"{PACK_ENV} must be 0 or 1, got {forced!r}")
         if forced == "0" or torch.device(device).type != "cpu":
             return False, f"{PACK_ENV}={forced} (overridden)" + ("" if forced == "0" else ", but not on a CPU")
     if torch.device(device).type != "cpu":
         return False, f"{torch.device(device).type} device"
+    if dtype == torch.float32 and forced == "1" and torch.backends.mkldnn.is_available():
+        return True, f"CPU, fp32, oneDNN ({PACK_ENV}=1)"
     if dtype != torch.bfloat16:
         return False, f"{str(dtype).removeprefix('torch.')}: packing is used for bf16 only"
     ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -291,9 +294,7 @@ def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tu
 def upcast_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
     """Whether a model in `dtype` on `device` runs its linears in fp32 on weights upcast once (models/packed.py,
     UpcastLinear), and why: bf16 on a CPU whose oneDNN has no bf16 matmul, where torch would emulate it."""
-    forced = os.environ.get(UPCAST_ENV)
-    if forced is not None and forced not in ("0", "1"):
-        raise SkipKVError(f"{UPCAST_ENV} must be 0 or 1, got {forced!r}")
+    forced = _switch(UPCAST_ENV, os.environ.get(UPCAST_ENV))
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         kind = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}"
         return False, f"{kind}: upcasting is for bf16 on a CPU"
@@ -310,9 +311,7 @@ def transposed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -
     """Whether an fp32 model on a CPU stores its linear weights transposed, (in, out), and multiplies `x @ W^T`
     (models/packed.py, TransposedLinear), and why (module docstring): on an x86 CPU with AVX2 and without AVX512,
     where MKL's sgemm was measured faster on that layout; not measured on a CPU with AVX512, so off there."""
-    forced = os.environ.get(TRANSPOSE_ENV)
-    if forced is not None and forced not in ("0", "1"):
-        raise SkipKVError(f"{TRANSPOSE_ENV} must be 0 or 1, got {forced!r}")
+    forced = _switch(TRANSPOSE_ENV, os.environ.get(TRANSPOSE_ENV))
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         kind = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}"
         return False, f"{kind}: the transposed layout is for fp32 on a CPU"

@@ -11,7 +11,9 @@ the time: on a 2-core EPYC (AVX512-BF16, no AMX), Qwen2.5-0.5B, full cache, 16 G
 2 threads, the median gap between tokens fell from 187 to 132 ms and the first token came at 6.2 instead of
 7.5 s (`SKIPKV_PACKED_LINEARS=1|0 python benchmarks/vllm_anchor/skipkv_run.py`, docs/benchmarks.md). Whether it
 runs is decided by `hardware.packed_linears` (CPU, bf16, oneDNN with bf16 support; `SKIPKV_PACKED_LINEARS=1|0`
-overrides).
+overrides). With `SKIPKV_PACKED_LINEARS=1` an fp32 model is packed the same way (opt-in; oneDNN's fp32 kernel
+sums in another order than MKL's, so its outputs agree to rounding, not bit for bit; docs/benchmarks.md has the
+figures).
 
 Memory: the packed copy replaces the dense weight, except where the project reads the dense one (`o_proj`:
 LaProx's output-aware score and the fidelity benchmark) and where it is shared (`lm_head` tied to the input
