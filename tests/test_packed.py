@@ -76,6 +76,11 @@ def test_fp32_packs_only_when_asked_and_computes_the_same_linear(monkeypatch):
     assert "prepacked" in bundle.packed_linears
     assert isinstance(bundle.model.model.layers[0].mlp.down_proj, PackedLinear)
     assert bundle.model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32  # LaProx reads it
+    monkeypatch.setenv(hardware.PACK_ENV, "0")
+    dense = load_model("random:qwen2", dtype="fp32")
+    ids = torch.tensor([[3, 17, 99, 5, 42, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(bundle.model(ids).logits, dense.model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bias", [True, False])

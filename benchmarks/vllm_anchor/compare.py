@@ -43,10 +43,15 @@ def default_venv() -> Path:
     return Path(os.environ.get("SKIPKV_HOME", Path.home() / ".cache" / "skipkv")) / "vllm-venv"
 
 
-def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]:
+def arm_options(arm: str) -> dict[str, str]:
+    """The `key=value` parts of an arm (after `vllm`, or after `skipkv:POLICY`)."""
     parts = arm.split(":")
+    return dict(p.split("=", 1) for p in parts[1 if parts[0] == "vllm" else 2:] if "=" in p)
+
+
+def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]:
+    parts, opts = arm.split(":"), arm_options(arm)
     if parts[0] == "vllm":
-        opts = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         if set(opts) - {"dtype", "reserved"} or len(opts) != len(parts) - 1:
             sys.exit(f"compare.py: error: bad arm {arm!r}; use vllm[:dtype=D][:reserved=N]")
         cmd = [str(args.venv / "bin" / "python"), str(HERE / "vllm_run.py"), str(workload)]
@@ -57,7 +62,6 @@ def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]
         if args.window_s:
             cmd += ["--window-s", str(args.window_s)]
         return cmd
-    opts = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
     if parts[0] != "skipkv" or len(parts) < 2 or len(opts) != len(parts) - 2:
         sys.exit(f"compare.py: error: bad arm {arm!r}; "
                  "use vllm[:dtype=D][:reserved=N] or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
@@ -80,12 +84,12 @@ GLIBC_HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 -
 def arm_env(arm: str, allocator: str) -> dict[str, str]:
     """The environment of one arm's process: the same allocator setting for both engines (module docstring)."""
     env = {**os.environ, "SKIPKV_MALLOC": allocator}
-    parts = arm.split(":")
-    if parts[0] == "vllm" and allocator == "heap":
-        env.update(GLIBC_HEAP_ENV)
-    for part in parts[1:]:
-        if parts[0] == "vllm" and part.startswith("reserved="):
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = part.split("=", 1)[1]
+    if arm.split(":")[0] == "vllm":
+        if allocator == "heap":
+            env.update(GLIBC_HEAP_ENV)
+        reserved = arm_options(arm).get("reserved")
+        if reserved is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved
     return env
 
 
