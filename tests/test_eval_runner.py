@@ -275,6 +275,53 @@ def test_a_16bit_run_resumes_only_on_the_attention_it_began_with(tmp_path: Path,
     assert len(records(fp32)) == 2
 
 
+def test_a_bf16_run_resumes_only_on_the_linears_it_began_with(tmp_path: Path, monkeypatch) -> None:
+    """oneDNN's bf16 kernel, fp32 products of upcast weights and torch's own bf16 linear round differently, so a
+    bf16 run begun on one (e.g. the upcast path of an AVX2 CPU) is refused on another (a CPU with AVX512-BF16
+    would pack) with the switches that restore it; a record from before the upcast path is not checked."""
+    from skipkv import hardware
+
+    monkeypatch.setenv(hardware.SDPA_ENV, "0")
+    monkeypatch.setenv(hardware.PV_ENV, "fp32")
+    monkeypatch.setenv(hardware.PACK_ENV, "0")
+    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    out = tmp_path / "run"
+    run_eval(small(out, limit=1, dtype="bf16"))
+    config = json.loads((out / "config.json").read_text())
+    assert hardware.linear_kernel(config["environment"]) == "upcast"
+    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    with pytest.raises(SkipKVError, match="was run with upcast bf16 linears, this run would use torch; resume it "
+                                          "with SKIPKV_PACKED_LINEARS=0 SKIPKV_UPCAST_LINEARS=1"):
+        run_eval(small(out, limit=2, dtype="bf16"))
+    assert len(records(out)) == 1
+    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    run_eval(small(out, limit=2, dtype="bf16"))  # the recorded linears: resumes
+    assert len(records(out)) == 2
+    del config["environment"]["upcast_linears_cpu_bf16"]  # written before the upcast path existed
+    (out / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    run_eval(small(out, limit=3, dtype="bf16"))
+    assert len(records(out)) == 3
+    fp32 = tmp_path / "fp32"  # fp32 runs do not depend on the bf16 linears
+    run_eval(small(fp32, limit=1))
+    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    run_eval(small(fp32, limit=2))
+    assert len(records(fp32)) == 2
+
+
+def test_every_generating_process_logs_its_environment(tmp_path: Path) -> None:
+    """sessions.jsonl holds one line per process that generated, keyed by the `session` its records carry, so a
+    run resumed on another machine says which records each one produced; a resume with nothing to do adds none."""
+    out = tmp_path / "run"
+    run_eval(small(out, limit=1))
+    run_eval(small(out, limit=2))
+    run_eval(small(out, limit=2))  # nothing left to generate
+    lines = [json.loads(line) for line in (out / "sessions.jsonl").read_text().splitlines()]
+    assert [line["session"] for line in lines] == [r["session"] for r in records(out)]
+    assert lines[0]["session"] != lines[1]["session"]
+    assert all(line["environment"]["machine"]["cpus"] >= 1 for line in lines)
+
+
 def test_share_prefix_is_in_the_identity_only_when_on(tmp_path: Path) -> None:
     """A run dir written without --share-prefix (or before it existed) has no engine.share_prefix and resumes
     with it off; one written with it refuses a resume without it (in 16-bit dtypes the tokens can differ)."""

@@ -298,3 +298,29 @@ def test_layer_budgets_are_plotted_when_layers_differ(tmp_path):
     assert "niah_layer_budgets.png" not in [p.path.name for p in report.plots]
     # layers disagree in number (records from two models): no shares rather than a wrong mean
     assert layer_shares([uneven[0], {**even[0], "layer_kv_tokens": [20, 20]}]) is None
+
+
+def test_a_run_resumed_on_another_processor_is_noted(tmp_path):
+    """sessions.jsonl ties each record's session to a processor: records from two processors get a note naming
+    both and the count from each; records of a session that was not logged are counted as such; one processor,
+    or no sessions.jsonl, gives no note."""
+    def env(flags: list[str]) -> dict:
+        return {"machine": {"cpu": "AMD EPYC", "cpu_flags": flags}}
+
+    rows = [record(0, True, 10, 10, session=1.0), record(1, True, 10, 10, session=2.0),
+            record(2, True, 10, 10, session=2.0), record(3, True, 10, 10, session=3.0)]
+    run = write_run(tmp_path / "run", rows)
+    assert load_runs([run])[0].notes == ()
+    sessions = [{"session": 1.0, "environment": env(["avx2"])}, {"session": 2.0, "environment": env(["avx2"])}]
+    (run / "sessions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sessions))
+    (note,) = load_runs([run])[0].notes
+    assert note.endswith("records from 2 processors: 3 on AMD EPYC (avx2); 1 on an unlogged session")
+    sessions.append({"session": 3.0, "environment": env(["avx2", "avx512_bf16"])})
+    (run / "sessions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sessions) + '{"torn')
+    (note,) = load_runs([run])[0].notes
+    assert note.endswith("3 on AMD EPYC (avx2); 1 on AMD EPYC (avx2,avx512_bf16)")
+    (run / "sessions.jsonl").write_text(json.dumps(sessions[0]) + "\n")
+    rows = [record(0, True, 10, 10, session=1.0)]
+    (run / "records.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (run / "summary.json").write_text(json.dumps({"n": 1, "accuracy": 1.0}))
+    assert load_runs([run])[0].notes == ()

@@ -148,6 +148,11 @@ def test_run_shared_writes_what_each_run_alone_writes(tmp_path):
     shutil.copytree(alone[2].out, shared[2].out)
     run_shared(shared)
     assert (Path(shared[2].out) / "records.jsonl").read_bytes() == before
+    # One sessions.jsonl line per run dir the shared pass generated into, with the session its records carry.
+    for cfg in shared:
+        sessions = [json.loads(line)["session"] for line in (Path(cfg.out) / "sessions.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (Path(cfg.out) / "records.jsonl").read_text().splitlines()]
+        assert sessions == sorted({r["session"] for r in rows}), cfg.out
     for cfg in alone[:2] + alone[3:]:
         run_eval(cfg)
     outputs = set()

@@ -273,6 +273,17 @@ def attention_kernel(record: dict[str, Any] | None) -> tuple[str, str]:
     return ("grouped" if kernel == "grouped_fp32" else kernel), record.get("pv", "fp32")
 
 
+def linear_kernel(environment: dict[str, Any] | None) -> str | None:
+    """What a bf16 CPU model's linears ran on, from an environment record (environment()): "packed" (oneDNN's
+    bf16 kernel on prepacked weights), "upcast" (fp32 products of upcast weights) or "torch" (torch's own bf16
+    linear); None for a record written before the upcast path existed (not comparable)."""
+    environment = environment or {}
+    packed, upcast = environment.get("packed_linears_cpu_bf16"), environment.get("upcast_linears_cpu_bf16")
+    if packed is None or upcast is None:
+        return None
+    return "packed" if packed.get("packed") else "upcast" if upcast.get("upcast") else "torch"
+
+
 def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
     """Whether a model in `dtype` on `device` runs its linears with oneDNN-prepacked weights, and why."""
     forced = _switch(PACK_ENV, os.environ.get(PACK_ENV))

@@ -27,7 +27,9 @@ invariant), in fp32 only by the last bits (MKL sums 1-3 rows in another order th
 processor's kernels would: a near-tie can flip, which is not compared either); in bf16/fp16 a padded row rounds
 differently, so there batch_size is compared) —
 and environment {git_revision, git_dirty, versions, machine, created}, except that a 16-bit CPU run resumes
-only on the decode attention it recorded (environment.decode_attention_cpu: kernel and p.V dtype).
+only on the decode attention it recorded (environment.decode_attention_cpu: kernel and p.V dtype), and a bf16 CPU
+run only on the linears it recorded (oneDNN's bf16 kernel on prepacked weights, fp32 products of upcast weights,
+or torch's own: environment.packed_linears_cpu_bf16, upcast_linears_cpu_bf16).
 
 records.jsonl — one JSON object per finished (id, sample), appended, flushed and fsynced as it finishes:
   id, sample, seed               example id, sample index (0..samples-1), the sampling seed it used
@@ -49,6 +51,10 @@ records.jsonl — one JSON object per finished (id, sample), appended, flushed a
   session, finished_at           unix time the generating process started generating / this record finished
   + task meta, flat              e.g. length, depth, num_needles (long context), subject, level (math500), entry_point
 A killed run loses at most the requests in flight; re-running the same command skips finished pairs.
+
+sessions.jsonl — one line {session, environment} per process that generated into the directory (the `session` its
+records carry, and that process's environment as config.json records the first's): a run resumed on another
+processor says so, and which records each one produced.
 
 traces.jsonl — only with --trace (EvalConfig.trace): one line {id, sample, trace} per traced record, written
 just before the record (whose `trace` key then names this file); the trace (engine/trace.py) is what
@@ -86,7 +92,7 @@ from skipkv.eval.data import Example
 from skipkv.outputs import check_dir, write_atomic
 
 CONFIG_FILE, RECORDS_FILE, SUMMARY_FILE, LOCK_FILE = "config.json", "records.jsonl", "summary.json", ".lock"
-TRACES_FILE = "traces.jsonl"
+TRACES_FILE, SESSIONS_FILE = "traces.jsonl", "sessions.jsonl"
 IDENTITY_KEYS = ("model", "dtype", "device", "dataset", "prompt_style", "policy", "budget_mode", "budget_ratio",
                  "budget_reference", "sampling", "grader", "engine")
 CORE_RECORD_KEYS = frozenset({
@@ -132,22 +138,30 @@ def _unrecorded_defaults_dropped(old: Any, new: Any) -> Any:
     return {k: v for k, v in new.items() if k in old or k not in defaults or jsonable(defaults[k]) != v}
 
 
-def _check_attention_kernel(out: Path, old: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-    """A 16-bit CPU run resumes only on the decode attention it began with (hardware.decode_sdpa, decode_pv): the
-    kernels round differently, so a change of processor or default mid-run would mix two computations in one
-    cell. Runs whose record predates the kernel's are not checked."""
-    from skipkv.hardware import PV_ENV, SDPA_ENV, attention_kernel
+def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """A 16-bit CPU run resumes only on the decode attention it began with (hardware.decode_sdpa, decode_pv), and a
+    bf16 one only on the same linears (hardware.linear_kernel): the kernels round differently, so a change of
+    processor or default mid-run would mix two computations in one cell. Runs whose record predates a kernel's
+    entry are not checked for it."""
+    from skipkv.hardware import PACK_ENV, PV_ENV, SDPA_ENV, UPCAST_ENV, attention_kernel, linear_kernel
 
     if config.get("dtype") not in ("bf16", "fp16") or not str(config.get("device", "cpu")).startswith("cpu"):
         return
-    recorded = (old.get("environment") or {}).get("decode_attention_cpu")
-    if not recorded:
-        return
-    was, now = attention_kernel(recorded), attention_kernel(config["environment"].get("decode_attention_cpu"))
-    if was != now:
+    recorded = old.get("environment") or {}
+    if recorded.get("decode_attention_cpu"):
+        was = attention_kernel(recorded["decode_attention_cpu"])
+        now = attention_kernel(config["environment"].get("decode_attention_cpu"))
+        if was != now:
+            raise SkipKVError(
+                f"{out} was run with decode attention {was[0]} and p.V in {was[1]}, this run would use {now[0]} "
+                f"and {now[1]}; resume it with {SDPA_ENV}={int(was[0] == 'sdpa')} {PV_ENV}={was[1]}, "
+                "or use another --out")
+    was_linear, now_linear = linear_kernel(recorded), linear_kernel(config["environment"])
+    if config.get("dtype") == "bf16" and was_linear is not None and was_linear != now_linear:
+        pack, upcast = int(was_linear == "packed"), int(was_linear == "upcast")
         raise SkipKVError(
-            f"{out} was run with decode attention {was[0]} and p.V in {was[1]}, this run would use {now[0]} and "
-            f"{now[1]}; resume it with {SDPA_ENV}={int(was[0] == 'sdpa')} {PV_ENV}={was[1]}, or use another --out")
+            f"{out} was run with {was_linear} bf16 linears, this run would use {now_linear}; resume it with "
+            f"{PACK_ENV}={pack} {UPCAST_ENV}={upcast}, or use another --out")
 
 
 def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
@@ -163,7 +177,7 @@ def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
         if diffs:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
             raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
-        _check_attention_kernel(out, old, config)
+        _check_kernels(out, old, config)
         return
     write_json(path, config)
 
@@ -178,6 +192,14 @@ def check_run_dir(path: str) -> Path:
             raise SkipKVError(f"{out} has {theirs[0]} but no config.json (not a run dir of skipkv eval); "
                               "use another --out")
     return out
+
+
+def log_session(out: Path, session: float, environment: Mapping[str, Any]) -> None:
+    """Append the generating process's line to sessions.jsonl (see the module docstring)."""
+    with open(out / SESSIONS_FILE, "a") as f:
+        f.write(json.dumps({"session": session, "environment": jsonable(environment)}, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

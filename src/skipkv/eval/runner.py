@@ -22,7 +22,6 @@ from typing import Any
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.eval import prompts
 from skipkv.eval.data import Example, data_request
-from skipkv.eval.graders import Grader
 from skipkv.eval.plan import (
     EvalConfig,
     Plan,
@@ -43,6 +42,7 @@ from skipkv.eval.rundir import (
     check_or_write_config,
     jsonable,
     locked,
+    log_session,
     make_record,
     summarize,
     write_json,
@@ -71,6 +71,7 @@ class Run:
     sampling: SamplingParams
     store: RecordStore
     jobs: list[Job]
+    environment: dict[str, Any]  # this process's, for sessions.jsonl
 
 
 
@@ -145,7 +146,7 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
         per_prompt = mode == "prompt_length" and policy.compresses
         budget = example_budget(cfg, ex, len(ids)) if per_prompt else policy_record["budget"]
         jobs += [Job(ex, s, text, ids, budget) for s in todo]
-    return Run(cfg, plan, examples, policy_record, sampling, store, jobs)
+    return Run(cfg, plan, examples, policy_record, sampling, store, jobs, config["environment"])
 
 
 def close_run(run: Run) -> None:
@@ -171,19 +172,21 @@ def run_eval(cfg: EvalConfig) -> Path:
     with made_dir(plan.out) as created, locked(plan.out):
         bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         run = open_run(cfg, plan, bundle, created)
-        _generate(cfg, bundle, run.jobs, run.sampling, plan.grader, run.store, generate)
+        _generate(cfg, bundle, run, generate)
         close_run(run)
     return plan.out
 
 
-def _generate(cfg: EvalConfig, bundle: Any, jobs: list[Job], sampling: SamplingParams, grader: Grader,
-              store: RecordStore, generate: Any) -> None:
-    """Generate every job through the engine (one call per distinct budget), recording each as it finishes."""
+def _generate(cfg: EvalConfig, bundle: Any, run: Run, generate: Any) -> None:
+    """Generate every job of `run` through the engine (one call per distinct budget), recording each as it
+    finishes."""
     from tqdm import tqdm
 
+    jobs, sampling, grader, store = run.jobs, run.sampling, run.plan.grader, run.store
     if not jobs:
         return
     session = time.time()
+    log_session(run.plan.out, session, run.environment)
     groups: dict[int | None, list[Job]] = defaultdict(list)
     for job in jobs:
         groups[job.budget].append(job)

@@ -16,7 +16,7 @@ from typing import Any
 
 from skipkv.errors import SkipKVError
 from skipkv.eval.plan import EvalConfig, make_plan, run_policy, sample_seed
-from skipkv.eval.rundir import Job, locked, make_record
+from skipkv.eval.rundir import Job, locked, log_session, make_record
 from skipkv.eval.runner import Run, close_run, open_run
 from skipkv.outputs import made_dir
 
@@ -83,6 +83,9 @@ def run_shared(cfgs: list[EvalConfig]) -> list[Path]:
             for job in run.jobs:
                 todo[job.example.id].append((run, job))
         session = time.time()
+        for run in runs:
+            if run.jobs:
+                log_session(run.plan.out, session, run.environment)
         bar = tqdm(total=sum(len(r.jobs) for r in runs), desc=f"{first.dataset}/shared prefill ({len(runs)} runs)",
                    unit="run-ex", disable=first.quiet, dynamic_ncols=True)
         try:

@@ -17,6 +17,7 @@ from skipkv.errors import SkipKVError
 CONFIG_FILE = "config.json"
 RECORDS_FILE = "records.jsonl"
 SUMMARY_FILE = "summary.json"
+SESSIONS_FILE = "sessions.jsonl"
 # Policy names that keep the whole cache: drawn as the reference line, not as a budget curve.
 FULL_POLICIES = frozenset({"full", "fullkv", "full_kv"})
 # The runner's config.json `budget_mode` -> what a budget ratio is a fraction of (for axis labels).
@@ -179,9 +180,39 @@ def load_run(path: Path) -> Run:
             summary = _read_json(path / SUMMARY_FILE)
         except SkipKVError as exc:  # the summary is a convenience; the records are the truth
             notes.append(str(exc))
+    notes += _processor_notes(path, records)
     if summary is not None and isinstance(summary.get("n"), int) and summary["n"] != len(records):
         notes.append(f"{path}: summary.json says n={summary['n']}, records hold {len(records)}; using records")
     return Run(path=path, config=config, records=records, summary=summary, notes=tuple(notes))
+
+
+def _processor(environment: dict[str, Any]) -> str:
+    machine = environment.get("machine") or {}
+    flags = ",".join(machine.get("cpu_flags") or []) or "no flags recorded"
+    return f"{machine.get('cpu', '?')} ({flags})"
+
+
+def _processor_notes(path: Path, records: list[dict[str, Any]]) -> list[str]:
+    """A note when the run's records were generated on more than one processor (sessions.jsonl): the figures
+    then mix machines (speed always; bits only where the kernels differ, which resuming refuses in 16-bit)."""
+    file = path / SESSIONS_FILE
+    if not file.exists():
+        return []
+    by_session: dict[Any, str] = {}
+    for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+            by_session[entry["session"]] = _processor(entry.get("environment") or {})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a torn or foreign line: the records are the truth
+    counts: dict[str, int] = {}
+    for r in records:
+        cpu = by_session.get(r.get("session"), "an unlogged session")
+        counts[cpu] = counts.get(cpu, 0) + 1
+    if len(counts) < 2:
+        return []
+    return [f"{path}: records from {len(counts)} processors: "
+            + "; ".join(f"{n} on {cpu}" for cpu, n in sorted(counts.items()))]
 
 
 def load_runs(paths: Iterable[Path]) -> list[Run]:
