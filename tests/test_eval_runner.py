@@ -309,6 +309,29 @@ def test_a_bf16_run_resumes_only_on_the_linears_it_began_with(tmp_path: Path, mo
     assert len(records(fp32)) == 2
 
 
+def test_unpad_prefill_is_in_a_16bit_runs_identity_when_on(tmp_path: Path) -> None:
+    """A bf16 run records engine.unpad_prefill (its rows can round differently); a bf16 dir written before it
+    existed (no key: it ran padded) is refused with the way to resume it, and resumes with it off; fp32 runs do
+    not record it (they resume either way)."""
+    out = tmp_path / "run"
+    run_eval(small(out, limit=1, dtype="bf16"))
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    assert config["engine"]["unpad_prefill"] is True
+    del config["engine"]["unpad_prefill"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(SkipKVError, match=r'engine.unpad_prefill \("<absent>" -> true\); it ran before the '
+                                          r"unpadded prefill: resume it with --no-unpad-prefill"):
+        run_eval(small(out, limit=2, dtype="bf16"))
+    run_eval(small(out, limit=2, dtype="bf16", unpad_prefill=False))
+    assert len(records(out)) == 2
+    fp32 = tmp_path / "fp32"
+    run_eval(small(fp32, limit=1))
+    assert "unpad_prefill" not in json.loads((fp32 / "config.json").read_text())["engine"]
+    run_eval(small(fp32, limit=2, unpad_prefill=False))
+    assert len(records(fp32)) == 2
+
+
 def test_every_generating_process_logs_its_environment(tmp_path: Path) -> None:
     """sessions.jsonl holds one line per process that generated, keyed by the `session` its records carry, so a
     run resumed on another machine says which records each one produced; a resume with nothing to do adds none."""

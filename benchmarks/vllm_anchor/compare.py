@@ -6,10 +6,11 @@
     python benchmarks/vllm_anchor/compare.py --workload synthetic:128x4096 --requests 64 --window-s 600 \\
         --kv-cap-gib 1 --arm vllm --arm skipkv:full --arm skipkv:rkv:budget=256 --rounds 1 --out ...
 
-An arm is `vllm[:dtype=D][:reserved=N]` or `skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]`.
+An arm is `vllm[:dtype=D][:reserved=N]` or `skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0][:unpad=0]`.
 `cap=0`: no KV memory cap for this arm, e.g. the physical ceiling: the full cache uncapped at the batch rkv
-reaches. `dtype`: vLLM's `--dtype`, default bfloat16 (its own default on a CPU); `float32` on a CPU without
-AVX512, where oneDNN has no bf16 linear and vLLM falls back to torch's. `reserved`: VLLM_CPU_NUM_OF_RESERVED_CPU,
+reaches. `unpad=0`: the prefill's MLPs run on pad positions too (EngineConfig.unpad_prefill off).
+`dtype`: vLLM's `--dtype`, default bfloat16 (its own default on a CPU); `float32` on a CPU without AVX512,
+where oneDNN has no bf16 linear and vLLM falls back to torch's. `reserved`: VLLM_CPU_NUM_OF_RESERVED_CPU,
 the cores vLLM keeps free of its model's threads: on x86 it reserves one per rank for its engine-core (scheduler)
 process, which polls, so on a 2 vCPU machine its model runs on one core by default; `reserved=0` gives it both.
 Ratios are to the first vLLM arm named. Every run is a fresh process
@@ -64,13 +65,15 @@ def arm_command(arm: str, workload: Path, args: argparse.Namespace) -> list[str]
         return cmd
     if parts[0] != "skipkv" or len(parts) < 2 or len(opts) != len(parts) - 2:
         sys.exit(f"compare.py: error: bad arm {arm!r}; "
-                 "use vllm[:dtype=D][:reserved=N] or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0]")
+                 "use vllm[:dtype=D][:reserved=N] or skipkv:POLICY[:budget=N][:interval=N][:batch=N][:cap=0][:unpad=0]")
     cmd = [sys.executable, str(HERE / "skipkv_run.py"), str(workload), "--policy", parts[1]]
     for key in ("budget", "interval"):
         if key in opts:
             cmd += [f"--{key}", opts[key]]
     if "batch" in opts:
         cmd += ["--batch-size", opts["batch"]]
+    if opts.get("unpad") == "0":
+        cmd += ["--no-unpad-prefill"]
     if args.kv_cap_gib and opts.get("cap") != "0":
         cmd += ["--kv-memory", f"{int(args.kv_cap_gib * 2**30)}"]
     if args.window_s:

@@ -1,7 +1,7 @@
 """Run a workload file (workload.py) through skipkv's engine and print one JSON line of rates.
 
     python benchmarks/vllm_anchor/skipkv_run.py /tmp/w.json [--policy full|rkv --budget 256 --interval 32]
-        [--kv-memory 1GiB] [--window-s 300] [--dtype auto] [--threads 0]
+        [--kv-memory 1GiB] [--window-s 300] [--dtype auto] [--threads 0] [--no-unpad-prefill]
 
 Model loading and a short warm-up are outside the timed part, as on the vLLM side. With --window-s the run
 is cut after that many seconds and the rates cover the window.
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, help="cap on running requests (default: all of them)")
     ap.add_argument("--window-s", type=float)
     ap.add_argument("--prefill-budget", type=int, default=0, help="padded prompt tokens per prefill step (0 = all)")
+    ap.add_argument("--no-unpad-prefill", action="store_true", help="MLPs on pad positions too (EngineConfig)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -43,7 +44,7 @@ def main() -> None:
     n = len(spec["prompt_ids"])
     sp = SamplingParams(max_new_tokens=spec["max_tokens"], ignore_eos=True)
     cfg = EngineConfig(batch_size=args.batch_size or n, kv_memory=parse_bytes(args.kv_memory),
-                       prefill_budget=args.prefill_budget)
+                       prefill_budget=args.prefill_budget, unpad_prefill=not args.no_unpad_prefill)
     # Warm-up: kernels, allocator and first-call paths, on two short prompts.
     run_engine(bundle, policy, Workload("warmup", [p[:16] for p in spec["prompt_ids"][:2]],
                                         [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2), EngineConfig(), "w")
@@ -55,6 +56,7 @@ def main() -> None:
                       "dtype": str(bundle.dtype).removeprefix("torch."),
                       "dtype_reason": bundle.dtype_choice.reason if bundle.dtype_choice else "requested",
                       "threads": threads, "kv_memory": cfg.kv_memory, "prefill_budget": cfg.prefill_budget,
+                      "unpad_prefill": cfg.unpad_prefill,
                       "load_s": round(load_s, 1),
                       "tokens_per_s": run.tokens_per_s, "generated_tokens": run.generated_tokens,
                       "wall_s": run.wall_s, "max_batch": run.max_batch, "peak_kv_bytes": run.peak_kv_bytes,

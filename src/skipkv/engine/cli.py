@@ -89,6 +89,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="prefill a prompt prefix that requests admitted together share once, when it is at least N "
                         "tokens (a system prompt, few-shot exemplars; 0 = off; "
                         f"default {_ENGINE_DEFAULTS.share_prefix})")
+    p.add_argument("--no-unpad-prefill", action="store_true",
+                   help="run the MLPs of a padded prefill on every position, pads included (default: real tokens "
+                        "only, EngineConfig.unpad_prefill)")
     add_memory_args(p)
 
 
@@ -147,7 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     sampling = sampling_from_args(args)
     engine = EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
-                          prefill_budget=args.prefill_budget, share_prefix=args.share_prefix)
+                          prefill_budget=args.prefill_budget, share_prefix=args.share_prefix,
+                          unpad_prefill=not args.no_unpad_prefill)
     prompts = read_prompts(args)
     threads = set_threads(args.threads)
     bundle = load_model(args.model, dtype=args.dtype)

@@ -144,7 +144,8 @@ class Engine:
         try:
             self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
                                       steering=self.hook, trace=trace, kv_memory=self.config.kv_memory,
-                                      share_prefix=self.config.share_prefix)
+                                      share_prefix=self.config.share_prefix,
+                                      unpad_prefill=self.config.unpad_prefill)
         except BaseException:
             if self.hook is not None:  # a refused policy must not leave the hook on the model
                 self.hook.remove()

@@ -31,6 +31,7 @@ from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
 from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.errors import SkipKVError
+from skipkv.models import unpad
 from skipkv.policies.base import Observation, Policy
 from skipkv.steering.hook import ResidualAdd
 
@@ -41,11 +42,13 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 class ModelRunner:
     def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
                  steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0,
-                 share_prefix: int = 0) -> None:
+                 share_prefix: int = 0, unpad_prefill: bool = True) -> None:
         """`policy`: what to capture for (queries, attention sums, hidden states); each request brings its own
         (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none).
-        `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`)."""
+        `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`). `unpad_prefill`:
+        EngineConfig.unpad_prefill (models/unpad.py)."""
         self.model = bundle.model
+        self.unpad_prefill = unpad_prefill and unpad.install(bundle.model) > 0
         self.tokenizer = bundle.tokenizer
         self.prefill_chunk = prefill_chunk
         self.share_prefix = share_prefix
@@ -89,8 +92,10 @@ class ModelRunner:
         """One forward of rows [start, start+B): ids/positions [B, T]; real [B] host. Returns hidden [B, T, E]."""
         ctx = StepContext(self.store, start, real, positions, self.queries, "attn" in self.store.aux_names)
         self.cache.bind(start, positions)
-        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, cache=self.cache,
-                               use_cache=True, skipkv_ctx=ctx)
+        index = unpad.padding_index(real, ids.shape[1]) if self.unpad_prefill else None
+        with unpad.real_positions(None if index is None else to_device(index, ids.device)):
+            out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS,
+                                   cache=self.cache, use_cache=True, skipkv_ctx=ctx)
         self.store.advance(start, real)
         return out.last_hidden_state
 

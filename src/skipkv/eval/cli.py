@@ -60,6 +60,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "force_wait": args.force_wait,
         "batch_size": args.batch_size,
         "prefill_chunk": args.prefill_chunk, "share_prefix": args.share_prefix, "kv_memory": args.kv_memory,
+        "unpad_prefill": False if args.no_unpad_prefill else None,
         "prompt_style": args.prompt_style,
         "dtype": args.dtype,
         "device": args.device,
@@ -119,6 +120,9 @@ def register(sub) -> None:
                    help="prefill a prompt prefix that a batch shares once, when it is at least N tokens (e.g. "
                         "r1think's exemplars; 0 = off; part of the run's identity when on; "
                         f"default {d['share_prefix']})")
+    p.add_argument("--no-unpad-prefill", action="store_true",
+                   help="run the MLPs of a padded prefill on every position, pads included, as before unpadding "
+                        "existed (a 16-bit run dir written before then resumes only with this flag)")
     p.add_argument("--kv-memory", type=kv_memory_arg, help="KV cache memory cap, e.g. 2GiB (default: no cap)")
     p.add_argument("--prompt-style", "--prompt", choices=STYLES,
                    help=f"chat, raw, or r1think (math: thinking exemplars that re-check themselves); "

@@ -64,6 +64,7 @@ class EvalConfig:
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
     share_prefix: int = _ENGINE.share_prefix  # prefill a prompt prefix shared by a batch once (EngineConfig)
+    unpad_prefill: bool = _ENGINE.unpad_prefill  # MLPs on a padded prefill's real positions only (EngineConfig)
     kv_memory: int = knob(_ENGINE.kv_memory, "KV memory cap in bytes (0 = none; execution only: it does not "
                           "change tokens)", ge=0)
     prompt_style: str = knob("chat", "chat template or raw text", choices=prompts.STYLES)

@@ -20,7 +20,8 @@ directory is used again; any difference is a SkipKVError, so one directory never
   sampling                       {max_new_tokens, temperature, top_p, top_k, seed, stop, force_wait (when > 0)}
   grader                         {name, + its settings}
   engine                         EngineConfig minus batch_size, kv_memory and prefill_budget (plus batch_size for
-                                 16-bit dtypes, see below; share_prefix only when on, so older dirs resume)
+                                 16-bit dtypes, see below; share_prefix only when on, so older dirs resume;
+                                 unpad_prefill only when on and 16-bit: older dirs ran padded and resume so)
 Not compared: execution {limit, samples, batch_size, kv_memory, out, reference_dir} — a larger --limit or more
 --samples extends a run, and in fp64 batch size does not change tokens (the engine's batch == singles
 invariant), in fp32 only by the last bits (MKL sums 1-3 rows in another order than 4 or more, as another
@@ -176,7 +177,11 @@ def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
                                  old.get("policy"), config["policy"])})
         if diffs:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-            raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
+            hint = ("; it ran before the unpadded prefill: resume it with --no-unpad-prefill (a sweep: "
+                    "`unpad_prefill: false` in its options)" if diffs == ['engine.unpad_prefill ("<absent>" -> true)']
+                    else "")
+            raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}{hint}; use another --out"
+                              if not hint else f"{out} holds a different run: {diffs[0]}{hint}")
         _check_kernels(out, old, config)
         return
     write_json(path, config)

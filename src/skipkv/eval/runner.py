@@ -121,11 +121,13 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
                      if k != "force_wait" or v},  # absent when off: older run dirs still resume
         "grader": {"name": dataset.grader, **public_fields(plan.grader)},
         "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
-                   if k not in ("batch_size", "kv_memory", "prefill_budget", "share_prefix")}
+                   if k not in ("batch_size", "kv_memory", "prefill_budget", "share_prefix", "unpad_prefill")}
         | {"prefill_chunk": cfg.prefill_chunk}
         | ({"share_prefix": cfg.share_prefix} if cfg.share_prefix else {})  # absent when off: older dirs resume
-        # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it.
-        | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {}),
+        # bf16/fp16: a ragged batch's padded rows round differently from single runs, so tokens depend on it;
+        # likewise the unpadded MLPs (recorded when on: a dir from before them ran padded, and resumes so).
+        | ({"batch_size": cfg.batch_size} if bundle.dtype.itemsize < 4 else {})
+        | ({"unpad_prefill": True} if cfg.unpad_prefill and bundle.dtype.itemsize < 4 else {}),
         "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
                       "kv_memory": cfg.kv_memory, "out": str(plan.out), "reference_dir": cfg.reference}
         | ({"shared_prefill": True} if shared_prefill else {}),
@@ -214,7 +216,7 @@ def _generate(cfg: EvalConfig, bundle: Any, run: Run, generate: Any) -> None:
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
                      EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory,
-                                  share_prefix=cfg.share_prefix),
+                                  share_prefix=cfg.share_prefix, unpad_prefill=cfg.unpad_prefill),
                      on_result=finished, progress=False, trace=cfg.trace)
     finally:
         bar.close()
