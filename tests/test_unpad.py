@@ -17,7 +17,8 @@ from skipkv.engine.runner import ModelRunner
 from skipkv.models import load_model, unpad
 
 KNOBS = dict(budget=12, window=4, interval=6)
-POLICIES = {"full": {}, "rkv": KNOBS, "h2o": KNOBS, "snapkv": KNOBS | {"prefill_window": 8}, "skipkv": KNOBS}
+POLICIES = {"full": {}, "rkv": KNOBS, "h2o": KNOBS, "snapkv": KNOBS | {"prefill_window": 8}, "skipkv": KNOBS,
+            "laprox": KNOBS | {"prefill_window": 8}, "pyramidkv": KNOBS | {"prefill_window": 8}}
 
 
 EXACT = dict(rtol=0, atol=1e-12)  # fp64: only the order of sums may differ
@@ -112,3 +113,22 @@ def test_install_is_idempotent_and_transparent_outside_the_context(sharp):
     torch.testing.assert_close(got[1, :2], want[1, :2], **EXACT)
     assert not got[1, 2:].any()  # pad positions: zeros, never computed
     assert torch.equal(layer.mlp(x), want)  # the context is gone
+
+
+def test_a_deep_copy_of_an_installed_model_runs_its_own_weights(sharp):
+    """The wrapped forward is bound to its module: a deep copy computes with the copy's weights (a forward
+    captured from the original would silently keep using the original's)."""
+    import copy
+
+    unpad.install(sharp.model)
+    clone = copy.deepcopy(sharp.model)
+    mlp, twin = sharp.model.model.layers[0].mlp, clone.model.layers[0].mlp
+    with torch.no_grad():
+        twin.down_proj.weight.mul_(2)
+    x = torch.randn(1, 3, sharp.model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), 2 * mlp(x), **EXACT)
+        with unpad.real_positions(unpad.padding_index(torch.tensor([2]), 3)):
+            got = twin(x)
+        torch.testing.assert_close(got[0, :2], 2 * mlp(x)[0, :2], **EXACT)
+

@@ -175,13 +175,12 @@ def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
         diffs = _differences({k: old.get(k, "<absent>") for k in IDENTITY_KEYS},
                              {k: config[k] for k in IDENTITY_KEYS} | {"policy": _unrecorded_defaults_dropped(
                                  old.get("policy"), config["policy"])})
+        if diffs == ['engine.unpad_prefill ("<absent>" -> true)']:
+            raise SkipKVError(f"{out} holds a different run: {diffs[0]}; it ran before the unpadded prefill: resume "
+                              "it with --no-unpad-prefill (a sweep: `unpad_prefill: false` in its options)")
         if diffs:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-            hint = ("; it ran before the unpadded prefill: resume it with --no-unpad-prefill (a sweep: "
-                    "`unpad_prefill: false` in its options)" if diffs == ['engine.unpad_prefill ("<absent>" -> true)']
-                    else "")
-            raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}{hint}; use another --out"
-                              if not hint else f"{out} holds a different run: {diffs[0]}{hint}")
+            raise SkipKVError(f"{out} holds a different run: {'; '.join(diffs[:3])}{more}; use another --out")
         _check_kernels(out, old, config)
         return
     write_json(path, config)

@@ -21,7 +21,8 @@ shape), as a different batch does: in fp64 the results agree to ~1e-16 and the t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -51,13 +52,16 @@ def padding_index(real: torch.Tensor, T: int) -> torch.Tensor | None:
     return keep.flatten().nonzero().squeeze(1)
 
 
-def _unpadded(forward: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+def _unpadded_forward(self: torch.nn.Module, x: torch.Tensor) -> Any:
+    """An installed MLP's forward (bound to the module): its class's own forward, on the real positions only
+    inside `real_positions`. Bound with types.MethodType, so a deep copy of the model binds it to the copy."""
+    forward = type(self).forward
     index = _REAL.get()
     if index is None or x.dim() != 3:
-        return forward(x)
+        return forward(self, x)
     B, T, E = x.shape
     flat = x.reshape(B * T, E)
-    y = forward(flat.index_select(0, index)[None])[0]  # [N, E_out]
+    y = forward(self, flat.index_select(0, index)[None])[0]  # [N, E_out]
     out = y.new_zeros(B * T, y.shape[-1])
     out.index_copy_(0, index, y)
     return out.view(B, T, -1)
@@ -73,8 +77,7 @@ def install(model: Any) -> int:
         if mlp is None or not type(mlp).__name__.endswith("MLP"):
             continue
         if not getattr(mlp, _MARK, False):
-            original = mlp.forward
-            mlp.forward = lambda x, _f=original: _unpadded(_f, x)
+            mlp.forward = types.MethodType(_unpadded_forward, mlp)
             setattr(mlp, _MARK, True)
         count += 1
     return count
