@@ -261,3 +261,21 @@ def test_cli_list(models_cli, capsys: pytest.CaptureFixture[str], skipkv_home: P
     out = capsys.readouterr().out
     for name in RECIPES:
         assert name in out
+
+
+def test_random_weights_are_drawn_on_the_device_they_are_built_for():
+    """A non-CPU device gets its weights allocated and initialised there (the meta device stands in for CUDA
+    here: nothing is materialised); on the CPU the draw is the seeded one it always was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from skipkv.models.random import build_random
+
+    meta, _, _ = build_random("random:qwen2", torch.float32, device="meta")
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    cpu, _, _ = build_random("random:qwen2", torch.float32, seed=3)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        want = AutoModelForCausalLM.from_config(cpu.config, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(cpu.parameters(), want.parameters()))
+

@@ -180,7 +180,7 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if name.startswith("random:"):
         from skipkv.models.random import build_random
 
-        model, tokenizer, family = build_random(name, torch_dtype, seed=seed)
+        model, tokenizer, family = build_random(name, torch_dtype, seed=seed, device=device)
         check_attention_layout(model.config, name)
         return _bundle(model.to(device).eval(), tokenizer, name, family, choice)
 
