@@ -20,9 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from skipkv import SamplingParams, hardware, load_model, make_policy
+from skipkv import SamplingParams, generate, hardware, load_model, make_policy
 from skipkv.config import EngineConfig
-from skipkv.engine import Engine
 from skipkv.eval import prompts
 from skipkv.eval.data import data_request
 from skipkv.eval.datasets import get_dataset
@@ -31,18 +30,10 @@ from skipkv.outputs import write_atomic
 
 def run(bundle, ids: list[list[int]], unpad: bool, new_tokens: int) -> dict:
     sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    eng = Engine(bundle, make_policy("full"), EngineConfig(batch_size=len(ids), unpad_prefill=unpad))
     t0 = time.perf_counter()
-    try:
-        rids = [eng.add_request(x, sp) for x in ids]
-        results = {}
-        while eng.has_unfinished():
-            results.update({r.request_id: r for r in eng.step().finished})
-    finally:
-        eng.close()
+    results = generate(bundle, ids, sp, make_policy("full"), EngineConfig(batch_size=len(ids), unpad_prefill=unpad))
     wall = time.perf_counter() - t0
-    return {"ttft_s": max(results[r].ttft_seconds for r in rids), "wall_s": wall,
-            "tokens": [results[r].token_ids for r in rids]}
+    return {"ttft_s": max(r.ttft_seconds for r in results), "wall_s": wall, "tokens": [r.token_ids for r in results]}
 
 
 def main(argv: list[str] | None = None) -> int:

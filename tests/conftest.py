@@ -38,3 +38,16 @@ def tiny():
 @pytest.fixture(scope="session", params=["random:llama", "random:qwen3"])
 def tiny_other(request):
     return load_model(request.param, dtype="fp64")
+
+
+def assert_same_entries(a, b, rows: int, atol: float = 1e-12) -> None:
+    """Two KVStores hold the same entries in slots [0, rows): equal lengths and positions, and K, V and every
+    accumulator within `atol` (fp64: only the order of sums may differ). Past a slot's length lies junk."""
+    assert torch.equal(a.lengths, b.lengths)
+    for l in range(a.num_layers):
+        for s in range(rows):
+            m = int(a.lengths[l, s])
+            for got, want in [(b.k[l], a.k[l]), (b.v[l], a.v[l])] + [(b.aux[n][l], a.aux[n][l]) for n in a.aux_names]:
+                torch.testing.assert_close(got[s, :, :m], want[s, :, :m], rtol=0, atol=atol)
+            assert torch.equal(a.pos[l][s, :, :m], b.pos[l][s, :, :m])
+

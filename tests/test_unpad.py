@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, assert_same_entries
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
@@ -78,16 +78,7 @@ def test_unpadded_prefill_keeps_and_emits_what_the_padded_one_does(sharp, name):
         return runner
 
     a, b = prefilled(False), prefilled(True)
-    assert torch.equal(a.store.lengths, b.store.lengths)
-    for l in range(a.store.num_layers):
-        for s in range(len(ids)):
-            m = int(a.store.lengths[l, s])
-            for buf in ("k", "v"):
-                torch.testing.assert_close(getattr(b.store, buf)[l][s, :, :m], getattr(a.store, buf)[l][s, :, :m],
-                                           **EXACT)
-            assert torch.equal(a.store.pos[l][s, :, :m], b.store.pos[l][s, :, :m])
-            for aux in a.store.aux_names:
-                torch.testing.assert_close(b.store.aux[aux][l][s, :, :m], a.store.aux[aux][l][s, :, :m], **EXACT)
+    assert_same_entries(a.store, b.store, len(ids))
     if a.queries is not None:
         torch.testing.assert_close(b.queries.q, a.queries.q, **EXACT)
         assert torch.equal(a.queries.qpos, b.queries.qpos)
