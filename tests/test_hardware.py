@@ -119,6 +119,24 @@ def test_decode_attention_follows_amx(monkeypatch, amx, expected):
     hardware._decode_sdpa.cache_clear()
 
 
+def test_cuda_sdpa_excludes_cudnn_unless_asked(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.delenv(hardware.CUDNN_SDPA_ENV, raising=False)
+    backends, why = hardware.cuda_sdpa_backends()
+    assert SDPBackend.CUDNN_ATTENTION not in backends and SDPBackend.MATH in backends and "cuDNN" in why
+    with hardware.sdpa_context("cuda"):  # enters without a GPU: it only sets torch's backend flags
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on exit
+    with hardware.sdpa_context("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setenv(hardware.CUDNN_SDPA_ENV, "1")
+    assert hardware.cuda_sdpa_backends()[0] == ()  # torch's own choice
+    monkeypatch.setenv(hardware.CUDNN_SDPA_ENV, "on")
+    with pytest.raises(SkipKVError, match="SKIPKV_CUDNN_SDPA must be 0 or 1"):
+        hardware.cuda_sdpa_backends()
+
+
 @pytest.mark.parametrize("use_sdpa", ["1", "0"])
 def test_bf16_decode_runs_the_chosen_kernel(monkeypatch, use_sdpa):
     """At batch 1 (every key visible) a bf16 decode step runs fused SDPA only where decode_sdpa says so; the two

@@ -23,6 +23,12 @@ with AVX512-BF16, bf16, 2 threads, per layer: 0.159 vs 0.081 ms at batch 1 and 1
 keys, 2.20 vs 0.24 ms at batch 16), so there the engine's grouped fp32 attention runs instead. The two round
 differently, so the choice is recorded (`SKIPKV_DECODE_SDPA=1|0` overrides it).
 
+SDPA on CUDA (`cuda_sdpa_backends`): torch 2.11 on an H200 picks cuDNN's attention, which builds a cuDNN graph for
+every new shape; a decode step's key count grows by one per step, so every layer of every step rebuilt one: 2.4 ms
+of host time per call, 67 ms of a 97 ms decode step of a 7B model at batch 1, whose kernels kept the GPU busy for
+6 ms (benchmarks/gpu_profile.py; transformers' own generate pays the same). The engine's forwards therefore run
+with cuDNN excluded (flash, then memory-efficient, then math); `SKIPKV_CUDNN_SDPA=1` gives torch its own choice.
+
 Probabilities x V in the grouped path (`decode_pv`): q.k and the softmax run in fp32 (the logits of a bf16 q.k would
 be rounded to bf16); the probabilities are then rounded to the model's 16-bit dtype and multiplied with the 16-bit
 values directly, as torch's fused CPU kernel does (its p.V gemm takes the probabilities in the input dtype). That
@@ -112,6 +118,7 @@ TRANSPOSE_ENV = "SKIPKV_TRANSPOSED_LINEARS"
 PV_ENV = "SKIPKV_DECODE_PV"
 BUCKET_ENV = "SKIPKV_DECODE_PV_BUCKETS"
 MALLOC_ENV = "SKIPKV_MALLOC"
+CUDNN_SDPA_ENV = "SKIPKV_CUDNN_SDPA"
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 _PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
 
@@ -195,6 +202,33 @@ def _decode_sdpa(device_type: str, forced: str | None) -> tuple[bool, str]:
         return True, f"{device_type} device"
     ok, why = has_amx()
     return ok, f"CPU {'with' if ok else 'without'} AMX ({why}): {'fused SDPA' if ok else 'grouped fp32'} is faster"
+
+
+@functools.lru_cache(maxsize=4)
+def _cuda_sdpa_backends(forced: str | None) -> tuple[tuple, str]:
+    from torch.nn.attention import SDPBackend
+
+    if _switch(CUDNN_SDPA_ENV, forced) == "1":
+        return (), f"{CUDNN_SDPA_ENV}=1: torch's own choice, cuDNN included"
+    return ((SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+            "cuDNN excluded: it builds a new graph for every new key count (~2.4 ms of host time per call on an H200, "
+            "67 of a 97 ms 7B decode step)")
+
+
+def cuda_sdpa_backends() -> tuple[tuple, str]:
+    """The SDPA backends the engine's forwards may use on CUDA (() = torch's own choice), and why (module
+    docstring). Cached: read once per forward."""
+    return _cuda_sdpa_backends(os.environ.get(CUDNN_SDPA_ENV))
+
+
+def sdpa_context(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The context a forward on `device` runs in: on CUDA, SDPA limited to `cuda_sdpa_backends`; else nothing."""
+    backends = cuda_sdpa_backends()[0] if torch.device(device).type == "cuda" else ()
+    if not backends:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(list(backends))
 
 
 def decode_sdpa(device: torch.device | str = "cpu") -> tuple[bool, str]:
@@ -485,6 +519,9 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
     transposed, why = transposed_linears(torch.float32, "cpu")
     env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
     env["allocator"] = dict(_allocator)
+    if torch.cuda.is_available():
+        backends, why = cuda_sdpa_backends()
+        env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}
     return env
 
 

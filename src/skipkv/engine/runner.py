@@ -31,6 +31,7 @@ from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
 from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.errors import SkipKVError
+from skipkv.hardware import sdpa_context
 from skipkv.models import unpad
 from skipkv.policies.base import Observation, Policy
 from skipkv.steering.hook import ResidualAdd
@@ -93,7 +94,7 @@ class ModelRunner:
         ctx = StepContext(self.store, start, real, positions, self.queries, "attn" in self.store.aux_names)
         self.cache.bind(start, positions)
         index = unpad.padding_index(real, ids.shape[1]) if self.unpad_prefill else None
-        with unpad.real_positions(None if index is None else to_device(index, ids.device)):
+        with unpad.real_positions(None if index is None else to_device(index, ids.device)), sdpa_context(ids.device):
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS,
                                    cache=self.cache, use_cache=True, skipkv_ctx=ctx)
         self.store.advance(start, real)
