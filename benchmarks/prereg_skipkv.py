@@ -1,7 +1,7 @@
 """The analysis fixed in benchmarks/results_skipkv_prereg.yaml (issue 18), run on its records.
 
     python benchmarks/prereg_skipkv.py docs/results/runs/skipkv_prereg                # Markdown, per dataset
-    python benchmarks/prereg_skipkv.py docs/results/runs/skipkv_prereg --json out.json
+    python benchmarks/prereg_skipkv.py docs/results/runs/skipkv_prereg --json out.json --plot docs/results/plots
 
 Per dataset (gsm8k, math500; a directory `<set>-b<k>` is block k of 50 examples), per cell: correct / n with
 a Wilson 95% interval, mean generated tokens, and per chain the check sentences, the flagged sentences and
@@ -74,10 +74,14 @@ def compare(cells: dict, tests: list, blocks: set[int]) -> list[dict]:
     return rows
 
 
-def describe(cells: dict) -> list[dict]:
+def describe(cells: dict, blocks: set[int] | None = None) -> list[dict]:
+    """Per cell: accuracy with its Wilson 95% interval, mean tokens and the per-chain counts (over `blocks`
+    only, when given)."""
     rows = []
     for (label, budget), recs in sorted(cells.items(), key=lambda kv: (kv[0][1] is not None, int(kv[0][1] or 0),
                                                                        kv[0][0])):
+        if blocks is not None:
+            recs = {k: r for k, r in recs.items() if k[0] in blocks}
         n = len(recs)
         if not n:
             continue
@@ -101,6 +105,49 @@ def lengths(cells: dict) -> list[dict]:
         out.append({"a": a, "b": b, "budget": budget, "n": len(diffs),
                     "mean_diff": sum(diffs) / len(diffs) if diffs else 0.0, "lo": lo, "hi": hi})
     return out
+
+
+BUDGETED = ("rkv", "snapkv", "h2o", "skipkv", "skipkv-steer")  # plotted against the budget
+UNBUDGETED = ("full", "seal")  # keep every token: a horizontal band
+
+
+def plot(name: str, cells: dict, path: Path) -> None:
+    """Accuracy (Wilson 95% intervals) and mean generated tokens against the budget, on blocks 1-2, where every
+    cell ran the same examples (the secondary family's n; blocks 3-4 hold only the key cells)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = describe(cells, {1, 2})
+    fig, (acc, tok) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, label in enumerate(UNBUDGETED):
+        r = next((r for r in rows if r["label"] == label), None)
+        if r is None:
+            continue
+        color = f"C{len(BUDGETED) + i}"
+        acc.axhline(r["acc"], color=color, ls="--", label=f"{label} (n={r['n']})")
+        acc.axhspan(r["lo"], r["hi"], color=color, alpha=0.12)
+        tok.axhline(r["tokens"], color=color, ls="--", label=label)
+    for i, label in enumerate(BUDGETED):
+        pts = sorted((int(r["budget"]), r) for r in rows if r["label"] == label and r["budget"])
+        if not pts:
+            continue
+        xs = [b + (i - 2) * 3 for b, _ in pts]  # a small offset, so the intervals do not cover each other
+        ys = [r["acc"] for _, r in pts]
+        err = [[r["acc"] - r["lo"] for _, r in pts], [r["hi"] - r["acc"] for _, r in pts]]
+        acc.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i}",
+                     label=f"{label} (n={min(r['n'] for _, r in pts)})")
+        tok.plot([b for b, _ in pts], [r["tokens"] for _, r in pts], marker="o", color=f"C{i}", label=label)
+    acc.set(xlabel="KV budget (cached tokens)", ylabel="accuracy (Wilson 95% CI)",
+            title=f"{name}: accuracy, blocks 1-2", xticks=[int(b) for b in BUDGETS])
+    tok.set(xlabel="KV budget (cached tokens)", ylabel="mean generated tokens",
+            title=f"{name}: chain length", xticks=[int(b) for b in BUDGETS])
+    acc.legend(fontsize=7)
+    tok.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def markdown(name: str, result: dict) -> str:
@@ -129,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("root", type=Path)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="a folder: one PNG per dataset (accuracy and length vs budget)")
     args = ap.parse_args(argv)
     grid = load(args.root)
     out = {}
@@ -136,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         out[name] = {"cells": describe(cells), "primary": compare(cells, PRIMARY, {1, 2, 3, 4}),
                      "secondary": compare(cells, SECONDARY, {1, 2}), "lengths": lengths(cells)}
         print(markdown(name, out[name]), end="\n\n")
+        if args.plot:
+            args.plot.mkdir(parents=True, exist_ok=True)
+            plot(name, cells, args.plot / f"skipkv_prereg_{name}.png")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -211,6 +211,18 @@ def test_skipkv_lengths_are_paired_differences(prereg_skipkv, tmp_path):
     assert steer64["lo"] <= steer64["mean_diff"] <= steer64["hi"]
 
 
+def test_skipkv_plot_uses_blocks_1_2_and_writes_one_png_per_dataset(prereg_skipkv, tmp_path):
+    recs = make_skipkv(tmp_path / "grid")
+    cells = prereg_skipkv.load(tmp_path / "grid")["gsm8k"]
+    rows = prereg_skipkv.describe(cells, {1, 2})
+    rkv64 = next(r for r in rows if r["label"] == "rkv" and r["budget"] == "64")
+    in_12 = [r for (b, c), by_id in recs.items() if c == "rkv-b64-s0" and b in (1, 2) for r in by_id.values()]
+    assert rkv64["n"] == len(in_12) == 16 and rkv64["correct"] == sum(r["correct"] for r in in_12)
+    assert prereg_skipkv.main([str(tmp_path / "grid"), "--plot", str(tmp_path / "plots")]) == 0
+    png = tmp_path / "plots" / "skipkv_prereg_gsm8k.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_draws_accuracy_or_the_mean_score_and_refuses_families_without_one(tmp_path):
     """benchmarks/plot_prereg.py on an analysis written by prereg.py: one PNG per family; `--score` only for
     families whose rows carry a score interval, with a clear error otherwise."""
