@@ -7,7 +7,8 @@
    (tiny model in fp64, a ragged batch of 4), and, informative only, how many of 32 greedy tokens agree on
    the big shape in bf16 (bf16 kernels round differently, so a late divergence is not a bug).
 2. syncs: host syncs per decode step, counted with torch.cuda.set_sync_debug_mode("warn") over decode steps
-   of 4 running requests (expected: 1, the sampler reading the tokens). CUDA only.
+   of 4 running requests (expected: 1, the sampler reading the tokens; SkipKV 2, its sentence tracker's one
+   copy of the step's hidden states to the host). CUDA only.
 3. speed: engine (full cache) vs transformers' generate at batch 1 and 8, synthetic 128 in / 128 out, after a
    warm-up of both at that batch; on CUDA
    transformers also runs under the engine's SDPA backends (hardware.cuda_sdpa_backends: cuDNN excluded).
@@ -64,10 +65,10 @@ def check_exact(device: str, big) -> dict:
     return {"tiny_fp64_full_equals_hf_greedy": exact, "big_bf16_greedy_tokens_agreeing_of_32": agree}
 
 
-def count_syncs(bundle) -> dict:
+def count_syncs(bundle, policy: str = "full") -> dict:
     if bundle.device.type != "cuda":
         return {"skipped": "not CUDA"}
-    eng = Engine(bundle, make_policy("full"), EngineConfig())
+    eng = Engine(bundle, make_policy(policy), EngineConfig())
     try:
         for p in PROMPTS:
             eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -137,6 +138,7 @@ def main() -> int:
         (out / "gpu_report.json").write_text(json.dumps(report, indent=2, default=str))
 
     for part, fn in (("exact", lambda: check_exact(args.device, bundle)), ("syncs", lambda: count_syncs(bundle)),
+                     ("syncs_skipkv", lambda: count_syncs(bundle, "skipkv")),
                      ("speed", lambda: speed(bundle, args.size))):
         t = time.perf_counter()
         report[part] = fn()

@@ -8,6 +8,7 @@ from conftest import PROMPTS
 from skipkv import SamplingParams, generate
 from skipkv.config import EngineConfig
 from skipkv.engine.sampler import filter_logits, greedy_tokens, sample
+from skipkv.models import load_model
 from skipkv.steering.hook import ResidualAdd
 
 
@@ -136,9 +137,15 @@ def test_hidden_states_reach_the_policy(tiny):
         def observe(self, state, token_ids, hidden):
             state["tokens"].extend(token_ids.tolist())
             state["width"].add(hidden.shape[-1])
+            state.setdefault("where", set()).add((token_ids.device.type, hidden.device.type, hidden.dtype))
 
-    res = generate(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), Spy(),
-                   EngineConfig(batch_size=2))
-    for prompt, r, st in zip(PROMPTS, res, states):
-        assert st["tokens"] == encode_prompt(tiny.tokenizer, prompt) + r.token_ids[:-1]
-        assert st["width"] == {tiny.config.hidden_size}
+    bf16 = load_model("random:qwen2", dtype="bf16")
+    for bundle, share in ((tiny, 0), (bf16, 0), (bf16, 4)):  # share_prefix 4: the shared-prefix forward too
+        states.clear()
+        res = generate(bundle, PROMPTS[:2], SamplingParams(max_new_tokens=6, ignore_eos=True), Spy(),
+                       EngineConfig(batch_size=2, share_prefix=share))
+        for prompt, r, st in zip(PROMPTS, res, states):
+            assert st["tokens"] == encode_prompt(bundle.tokenizer, prompt) + r.token_ids[:-1]
+            assert st["width"] == {bundle.config.hidden_size}
+            # on the host, in fp32 at least (the runner copies each forward's rows once, before the policies)
+            assert st["where"] == {("cpu", "cpu", torch.promote_types(bundle.dtype, torch.float32))}

@@ -100,6 +100,12 @@ class ModelRunner:
         self.store.advance(start, real)
         return out.last_hidden_state
 
+    @staticmethod
+    def _host_hidden(hidden: torch.Tensor) -> torch.Tensor:
+        """A forward's hidden states as policies observe them: on the host, in fp32 (fp64 for an fp64 model), in
+        one copy for all rows (one device sync per forward instead of one per request on a GPU)."""
+        return hidden.detach().to("cpu", torch.promote_types(hidden.dtype, torch.float32))
+
     def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """[B, V] in the model's dtype: `sample` converts only the rows it samples (a greedy pick reads them as
         they are), so a batch-64 step does not write a [64, V] fp32 copy it only takes the argmax of."""
@@ -208,8 +214,9 @@ class ModelRunner:
         if self.queries is not None:
             self.queries.copy_slot(start, others)
         if self.need_hidden:
+            host_ids, host = torch.tensor(new[0].prompt_ids[:n]), self._host_hidden(hidden[0])
             for r in new:
-                r.policy.observe(r.state, ids[0], hidden[0])
+                r.policy.observe(r.state, host_ids, host)
         self.shared_prefix_tokens += n * (k - 1)
 
     def prefill_step(self) -> tuple[int, list[tuple[Request, int]]]:
@@ -235,15 +242,16 @@ class ModelRunner:
         for i, r in enumerate(new):
             if real[i] > 0:
                 ids[i, : int(real[i])] = torch.tensor(r.prompt_ids[c0:c0 + int(real[i])])
-        ids = to_device(ids, device)
+        host_ids, ids = ids, to_device(ids, device)
         positions = torch.arange(c0, c1, device=device).expand(k, -1)
         if c1 > c0:
             hidden = self._forward(start, ids, positions, real)
+            host = self._host_hidden(hidden) if self.need_hidden else None
             for i, r in enumerate(new):
                 if c0 <= r.prompt_len - 1 < c1:
                     self._last_hidden[i] = hidden[i, r.prompt_len - 1 - c0]
-                if self.need_hidden and real[i] > 0:
-                    r.policy.observe(r.state, ids[i, : int(real[i])], hidden[i, : int(real[i])])
+                if host is not None and real[i] > 0:
+                    r.policy.observe(r.state, host_ids[i, : int(real[i])], host[i, : int(real[i])])
         self._reshape_due = True  # the chunk is in: what the store must hold changed again
         held = self._note_memory(start, new, decoding=False)
         self.compress([(start + i, r) for i, (r, n) in enumerate(zip(new, held))
@@ -291,8 +299,9 @@ class ModelRunner:
             r.fed += 1
         held = self._note_memory(0, self.running, decoding=True)
         if self.need_hidden:
+            host = self._host_hidden(hidden)
             for i, r in enumerate(self.running):
-                r.policy.observe(r.state, ids[i], hidden[i])
+                r.policy.observe(r.state, last[i:i + 1], host[i])
         tokens = sample(self._logits(hidden[:, -1]), self.running)
         self.compress([(i, r) for i, (r, n) in enumerate(zip(self.running, held))
                        if r.policy.should_compress(n, False, r.state)],

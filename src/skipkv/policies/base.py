@@ -108,7 +108,7 @@ class Policy:
 
     def observe(self, state: Any, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Called once per forward per request when "hidden" is required: token_ids [T], hidden [T, hidden]
-        (last layer, after the final norm)."""
+        (last layer, after the final norm), both on the host, hidden in fp32 (fp64 for an fp64 model)."""
 
     def trace_state(self, state: Any) -> dict | None:
         """Per-request information a retention viewer shows (`skipkv show`), asked at each compression and
