@@ -2,7 +2,8 @@
 # The prepared device check for one lent H200 (nothing is downloaded there): full == HF greedy on CUDA,
 # host syncs per decode step, engine vs transformers' generate, and the throughput benchmark at the paper's
 # setting (random:qwen2:7b = R1-Distill-Qwen-7B's shape, bf16, budget 512, synthetic 128x4096 and 128x16384
-# under one 9 GiB KV memory cap; full, R-KV, SnapKV, StreamingLLM and SkipKV, each cut after 25 s). Every step
+# under one 9 GiB KV memory cap; full, R-KV, SnapKV, StreamingLLM and SkipKV, each cut after 25 s), then, in the
+# time left, benchmarks/gpu_profile.py (wall vs GPU busy time per decode step, into $OUT/profile). Every step
 # has a hard stop, the whole within SKIPKV_GPU_LIMIT seconds (default 420); the random 7B weights are drawn on
 # the GPU (seconds, not minutes of CPU initialisation).
 #
@@ -34,4 +35,11 @@ echo "$(date -u +%T) environment read" | tee -a "$OUT/progress.txt"
 left=$(( LIMIT - ($(date +%s) - start) - 15 ))
 timeout -k 10 "$left" python benchmarks/gpu_run.py --size "$SIZE" --device "$DEVICE" --out "$OUT" \
   --seconds "$SECONDS_PER_RUN" --policies "$POLICIES" 2>&1 | tee "$OUT/gpu_run.log" || true
+echo "$(date -u +%T) gpu_run done" | tee -a "$OUT/progress.txt"
+# Where a decode step's time goes (wall vs GPU busy time, kernels per step; profiler tables) with what is left.
+left=$(( LIMIT - ($(date +%s) - start) - 10 ))
+if [ "$left" -gt 30 ]; then
+  timeout -k 10 "$left" python benchmarks/gpu_profile.py --size "$SIZE" --device "$DEVICE" --out "$OUT/profile" \
+    2>&1 | grep -v -E "USDT|[Ww]arn|forward_call" | tee "$OUT/gpu_profile.log" || true
+fi
 echo "$(date -u +%T) end" | tee -a "$OUT/progress.txt"
