@@ -139,9 +139,9 @@ def plot(name: str, cells: dict, path: Path) -> None:
         acc.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i}",
                      label=f"{label} (n={min(r['n'] for _, r in pts)})")
         tok.plot([b for b, _ in pts], [r["tokens"] for _, r in pts], marker="o", color=f"C{i}", label=label)
-    acc.set(xlabel="KV budget (cached tokens)", ylabel="accuracy (Wilson 95% CI)",
+    acc.set(xlabel="KV budget (generated tokens kept; prompt protected)", ylabel="accuracy (Wilson 95% CI)",
             title=f"{name}: accuracy, blocks 1-2", xticks=[int(b) for b in BUDGETS])
-    tok.set(xlabel="KV budget (cached tokens)", ylabel="mean generated tokens",
+    tok.set(xlabel="KV budget (generated tokens kept; prompt protected)", ylabel="mean generated tokens",
             title=f"{name}: chain length", xticks=[int(b) for b in BUDGETS])
     acc.legend(fontsize=7)
     tok.legend(fontsize=7)
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = load(args.root)
     out = {}
     for name, cells in sorted(grid.items()):
+        if not any(cells.values()):  # a dataset whose cells have begun but hold no record yet
+            continue
         out[name] = {"cells": describe(cells), "primary": compare(cells, PRIMARY, {1, 2, 3, 4}),
                      "secondary": compare(cells, SECONDARY, {1, 2}), "lengths": lengths(cells)}
         print(markdown(name, out[name]), end="\n\n")
