@@ -116,3 +116,47 @@ def test_no_sharing_below_the_threshold_or_alone(sharp):
     assert runner.shared_prefix(reqs) == common_prefix(sharp)
     runner.prefill_chunk = 5  # the prefix stays within the first chunk
     assert runner.shared_prefix(reqs) == 5
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "bf16"])
+def test_grouped_attention_in_row_blocks_is_bit_identical(monkeypatch, dtype):
+    """The rest of each prompt after a shared prefix is a multi-token forward over the prefix's keys (grouped
+    attention, with a mask). Run one row per block (attention.GROUPED_BLOCK_BYTES = 1) and all rows at once: the
+    store's entries, H2O's accumulated attention and the tokens are the same to the bit, in fp64 and in bf16."""
+    import skipkv.attention as attn
+
+    bundle = load_model("random:qwen2:sharp", dtype=dtype)
+    n = common_prefix(bundle)
+    real = attn._grouped_attention
+
+    def run(block: int):
+        monkeypatch.setattr(attn, "GROUPED_BLOCK_BYTES", block)
+        calls = []
+        monkeypatch.setattr(attn, "_grouped_attention",  # query [B, Hq, T, D]: (rows, tokens) of each call
+                            lambda *a: calls.append((a[2].shape[0], a[2].shape[2])) or real(*a))
+        policy = make_policy("h2o", budget=4096, window=4, interval=6)
+        runner = ModelRunner(bundle, policy, share_prefix=8)
+        reqs = make_requests(bundle, [encode_prompt(bundle.tokenizer, p) for p in PROMPTS],
+                             SamplingParams(max_new_tokens=4), policy)
+        with attention_backend(bundle.model), torch.inference_mode():
+            runner.prefill(reqs)
+        store = runner.store
+        rows = len(PROMPTS)
+        return ([k[:rows].clone() for k in store.k], [v[:rows].clone() for v in store.v],
+                [a[:rows].clone() for a in store.aux["attn"]], store.lengths[:, :rows].clone(), calls)
+
+    k1, v1, a1, n1, calls1 = run(1)
+    k0, v0, a0, n0, calls0 = run(1 << 40)
+    blocks = [{rows for rows, t in calls if t > 1} for calls in (calls1, calls0)]  # the rests of the prompts
+    assert n >= 8 and blocks == [{1}, {len(PROMPTS)}]  # one row per block, then all rows at once
+    assert torch.equal(n1, n0)
+    for x, y in zip(k1 + v1 + a1, k0 + v0 + a0):
+        assert torch.equal(x, y)
+    assert any(a.abs().sum() > 0 for a in a1)
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    policy = make_policy("h2o", budget=24, window=4, interval=6)
+    monkeypatch.setattr(attn, "GROUPED_BLOCK_BYTES", 1)
+    blocked = generate(bundle, PROMPTS, sp, policy, EngineConfig(batch_size=4, share_prefix=8))
+    monkeypatch.setattr(attn, "GROUPED_BLOCK_BYTES", 1 << 40)
+    whole = generate(bundle, PROMPTS, sp, policy, EngineConfig(batch_size=4, share_prefix=8))
+    assert [r.token_ids for r in blocked] == [r.token_ids for r in whole]

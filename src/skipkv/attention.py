@@ -184,6 +184,31 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     # benchmarks/attention_gqa.py). q.k and the softmax are computed in fp32: a bf16 q.k rounds the logits, and
     # greedy outputs drifted apart from transformers' after ~90 tokens. p.V takes the probabilities in the model's
     # dtype, as torch's fused CPU kernel does (_probs_times_values).
+    # A forward of many queries over many keys (the rest of each prompt after a shared prefix, a later prefill
+    # chunk) runs in blocks of rows, so its fp32 logits stay near GROUPED_BLOCK_BYTES. 50 MATH-500 prompts in
+    # the r1think recipe (~1K tokens, one of 1675, padded to it past a shared prefix) held several [50, 2, 7*T, K]
+    # fp32 tensors at once: a 20 GB peak, and two such runs could not share 24 GB (25 of them: 10.3 GB peak
+    # whole, 8.1 GB blocked; all 50 blocked: 10.8 GB). Each row's products are the same matmuls either way: the
+    # same bits (tests/test_share_prefix.py).
+    per_row = Hq * T * K * 4
+    step = max(1, GROUPED_BLOCK_BYTES // per_row) if T > 1 else B
+    if step >= B:
+        out = _grouped_attention(ctx, layer, query, key, value, mask, 0, scaling)
+    else:
+        out = torch.cat([_grouped_attention(ctx, layer, query[s:s + step], key[s:s + step], value[s:s + step],
+                                            None if mask is None else mask[s:s + step], s, scaling)
+                         for s in range(0, B, step)])
+    return out.transpose(1, 2).contiguous(), None
+
+
+GROUPED_BLOCK_BYTES = 512 << 20  # fp32 logits of one block of rows of a multi-token grouped forward, at most
+
+
+def _grouped_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor | None, first: int, scaling: float | None) -> torch.Tensor:
+    """Grouped attention of rows [first, first + B) of this forward (skipkv_attention). Returns [B, Hq, T, D]."""
+    B, Hq, T, D = query.shape
+    H, K = key.shape[1], key.shape[2]
     G = Hq // H
     scale = scaling if scaling is not None else D**-0.5
     # [B, H, G*T, K]
@@ -192,13 +217,14 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if mask is not None:  # None: every key is visible to every query
         logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    start = ctx.start + first
     if ctx.accumulate:
-        real_q = torch.arange(T, device=query.device)[None, :] < to_device(ctx.real, query.device)[:, None]  # [B, T]
+        real = to_device(ctx.real[first:first + B], query.device)
+        real_q = torch.arange(T, device=query.device)[None, :] < real[:, None]  # [B, T]
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
-        ctx.store.aux["attn"][layer][ctx.start:ctx.start + B, :, :K] += received
-    room = ctx.store.v[layer][ctx.start:ctx.start + B]
-    out = _probs_times_values(probs.view(B, H, G * T, K), value, room).view(B, Hq, T, D)
-    return out.transpose(1, 2).contiguous(), None
+        ctx.store.aux["attn"][layer][start:start + B, :, :K] += received
+    room = ctx.store.v[layer][start:start + B]
+    return _probs_times_values(probs.view(B, H, G * T, K), value, room).view(B, Hq, T, D)
 
 
 def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
