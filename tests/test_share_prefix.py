@@ -121,8 +121,9 @@ def test_no_sharing_below_the_threshold_or_alone(sharp):
 @pytest.mark.parametrize("dtype", ["fp64", "bf16"])
 def test_grouped_attention_in_row_blocks_is_bit_identical(monkeypatch, dtype):
     """The rest of each prompt after a shared prefix is a multi-token forward over the prefix's keys (grouped
-    attention, with a mask). Run one row per block (attention.GROUPED_BLOCK_BYTES = 1) and all rows at once: the
-    store's entries, H2O's accumulated attention and the tokens are the same to the bit, in fp64 and in bf16."""
+    attention, with a mask). Run it in blocks of one row, in blocks of three (the last one partial) and all
+    rows at once: the store's entries, H2O's accumulated attention and the tokens are the same to the bit, in
+    fp64 and in bf16."""
     import skipkv.attention as attn
 
     bundle = load_model("random:qwen2:sharp", dtype=dtype)
@@ -131,9 +132,10 @@ def test_grouped_attention_in_row_blocks_is_bit_identical(monkeypatch, dtype):
 
     def run(block: int):
         monkeypatch.setattr(attn, "GROUPED_BLOCK_BYTES", block)
-        calls = []
-        monkeypatch.setattr(attn, "_grouped_attention",  # query [B, Hq, T, D]: (rows, tokens) of each call
-                            lambda *a: calls.append((a[2].shape[0], a[2].shape[2])) or real(*a))
+        calls = []  # (rows, fp32 logits bytes of one row) of each multi-token call; query [B, Hq, T, D]
+        monkeypatch.setattr(attn, "_grouped_attention", lambda *a: (
+            a[2].shape[2] > 1 and calls.append((a[2].shape[0], a[2][0].numel() // a[2].shape[3] * a[3].shape[2] * 4))
+        ) or real(*a))
         policy = make_policy("h2o", budget=4096, window=4, interval=6)
         runner = ModelRunner(bundle, policy, share_prefix=8)
         reqs = make_requests(bundle, [encode_prompt(bundle.tokenizer, p) for p in PROMPTS],
@@ -142,17 +144,20 @@ def test_grouped_attention_in_row_blocks_is_bit_identical(monkeypatch, dtype):
             runner.prefill(reqs)
         store = runner.store
         rows = len(PROMPTS)
-        return ([k[:rows].clone() for k in store.k], [v[:rows].clone() for v in store.v],
-                [a[:rows].clone() for a in store.aux["attn"]], store.lengths[:, :rows].clone(), calls)
+        return ([x[:rows].clone() for x in store.k + store.v + store.aux["attn"]], store.lengths[:, :rows].clone(),
+                calls)
 
-    k1, v1, a1, n1, calls1 = run(1)
-    k0, v0, a0, n0, calls0 = run(1 << 40)
-    blocks = [{rows for rows, t in calls if t > 1} for calls in (calls1, calls0)]  # the rests of the prompts
-    assert n >= 8 and blocks == [{1}, {len(PROMPTS)}]  # one row per block, then all rows at once
-    assert torch.equal(n1, n0)
-    for x, y in zip(k1 + v1 + a1, k0 + v0 + a0):
-        assert torch.equal(x, y)
-    assert any(a.abs().sum() > 0 for a in a1)
+    whole, lengths, calls = run(1 << 40)
+    assert n >= 8 and {rows for rows, _ in calls} == {len(PROMPTS)}  # the rests of the prompts, all rows at once
+    per_row = calls[0][1]
+    assert any(a.abs().sum() > 0 for a in whole[-len(bundle.model.model.layers):])  # H2O accumulated something
+    for block, sizes in ((1, [1, 1, 1, 1]), (3 * per_row, [3, 1])):
+        blocked, blocked_lengths, calls = run(block)
+        assert {tuple(r for r, _ in calls[i:i + len(sizes)]) for i in range(0, len(calls), len(sizes))} == {
+            tuple(sizes)}  # every layer ran these blocks
+        assert torch.equal(blocked_lengths, lengths)
+        for x, y in zip(blocked, whole):
+            assert torch.equal(x, y)
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     policy = make_policy("h2o", budget=24, window=4, interval=6)
     monkeypatch.setattr(attn, "GROUPED_BLOCK_BYTES", 1)

@@ -185,11 +185,11 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     # greedy outputs drifted apart from transformers' after ~90 tokens. p.V takes the probabilities in the model's
     # dtype, as torch's fused CPU kernel does (_probs_times_values).
     # A forward of many queries over many keys (the rest of each prompt after a shared prefix, a later prefill
-    # chunk) runs in blocks of rows, so its fp32 logits stay near GROUPED_BLOCK_BYTES. 50 MATH-500 prompts in
-    # the r1think recipe (~1K tokens, one of 1675, padded to it past a shared prefix) held several [50, 2, 7*T, K]
-    # fp32 tensors at once: a 19.4 GiB peak, and two such runs could not share 23.5 GiB (25 of them: 9.9 GiB peak
-    # whole, 8.1 GiB blocked, benchmarks/grouped_blocks_ab.py; all 50 blocked: 10.3 GiB). Each row's products are
-    # the same matmuls either way: the same bits (tests/test_share_prefix.py).
+    # chunk) runs in blocks of rows whose fp32 logits stay within GROUPED_BLOCK_BYTES (one row at least). 50
+    # MATH-500 prompts in the r1think recipe (~1K tokens, one of 1675, padded to it past a shared prefix) held
+    # several [50, 2, 7*T, K] fp32 tensors at once: a 19.4 GiB peak, and two such runs could not share 23.5 GiB
+    # (25 of them: 9.9 GiB peak whole, 8.1 GiB blocked, benchmarks/grouped_blocks_ab.py; all 50 blocked:
+    # 10.3 GiB). Each row's products are the same matmuls either way: the same bits (tests/test_share_prefix.py).
     per_row = Hq * T * K * 4
     step = max(1, GROUPED_BLOCK_BYTES // per_row) if T > 1 else B
     if step >= B:
