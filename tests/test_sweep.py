@@ -337,3 +337,91 @@ def test_a_dataset_entry_can_run_a_subset_of_the_cells(tmp_path):
     assert key["dataset_options"] == {"offset": 4} and key["limit"] == 4
     with pytest.raises(SkipKVError, match="pattern 'rkv-b99-\\*' matches no cell"):
         expand_sweep(grid(datasets=[{"name": "gsm8k", "cells": ["rkv-b99-*"]}]), tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- --status
+def _records(out: Path, n: int, torn: bool = False) -> None:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": f"gsm8k-test-{i:04d}", "sample": 0, "correct": True}) + "\n" for i in range(n)]
+    (out / "records.jsonl").write_text("".join(lines) + ('{"id": "gsm8k-te' if torn else ""))
+
+
+def test_lock_holders_reads_flock_lines_only(tmp_path):
+    from skipkv.sweep.status import lock_holders
+
+    locks = tmp_path / "locks"
+    locks.write_text("1: FLOCK  ADVISORY  WRITE 12988 fe:00:5351085 0 EOF\n"
+                     "1: -> FLOCK  ADVISORY  WRITE 4242 fe:00:5351085 0 EOF\n"  # waiting: holds nothing
+                     "2: POSIX  ADVISORY  WRITE 777 08:01:99 0 EOF\n"
+                     "3: FLOCK  ADVISORY  READ 13 103:0a:12 0 EOF\n")
+    assert lock_holders(locks) == {(0xfe, 0, 5351085): 12988, (0x103, 0x0a, 12): 13}
+    assert lock_holders(tmp_path / "missing") == {}
+
+
+def test_cell_status_reads_without_touching(tmp_path):
+    import json
+
+    from skipkv.sweep.status import cell_status
+
+    def status(name: str, limit: int | None = 4):
+        return cell_status({"name": name, "out_dir": str(tmp_path / name)}, limit, 1, {})
+
+    assert status("none").state == "not started" and status("none").done == 0
+    _records(tmp_path / "torn", 2, torn=True)
+    before = (tmp_path / "torn" / "records.jsonl").read_bytes()
+    s = status("torn")
+    assert (s.done, s.target, s.state) == (2, 4, "partial")
+    # A torn last line may be a record a running process is writing: a status read must not cut it.
+    assert (tmp_path / "torn" / "records.jsonl").read_bytes() == before
+    _records(tmp_path / "all", 4)
+    assert status("all").state == "complete"
+    # Without a limit only summary.json can say complete, and only for the records it counted.
+    _records(tmp_path / "nolimit", 3)
+    assert status("nolimit", None).state == "partial"
+    (tmp_path / "nolimit" / "summary.json").write_text(json.dumps({"n": 3, "complete": True}))
+    assert status("nolimit", None).state == "complete"
+    (tmp_path / "nolimit" / "summary.json").write_text(json.dumps({"n": 2, "complete": True}))
+    assert status("nolimit", None).state == "partial"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "records.jsonl").write_text('{"id": "a", "sample": 0}\nnot json\n{"id": "b", "sample": 0}\n')
+    assert status("bad").state.startswith("damaged: ") and "not a JSON record" in status("bad").state
+
+
+def test_cell_status_names_the_process_holding_the_lock(tmp_path):
+    from skipkv.eval.rundir import locked
+    from skipkv.sweep.status import PROC_LOCKS, cell_status, lock_holders
+
+    if not PROC_LOCKS.exists():
+        pytest.skip("no /proc/locks here")
+    cell = {"name": "c", "out_dir": str(tmp_path / "c")}
+    _records(tmp_path / "c", 1)
+    with locked(tmp_path / "c"):
+        s = cell_status(cell, 4, 1, lock_holders())
+        assert (s.writer, s.state) == (os.getpid(), f"running (pid {os.getpid()})")
+    assert cell_status(cell, 4, 1, lock_holders()).state == "partial"
+
+
+def test_cli_status_is_blind_and_counts(monkeypatch, tmp_path, capsys):
+    import json
+
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(yaml.safe_dump(grid(datasets=["gsm8k"], budget_ratios=None, seeds=[0], limit=4)))
+    monkeypatch.chdir(tmp_path)
+    cells = load_sweep(cfg)[1]
+    _records(Path(cells[0]["out_dir"]), 4)
+    (Path(cells[0]["out_dir"]) / "summary.json").write_text(json.dumps({"n": 4, "complete": True,
+                                                                       "accuracy": 0.8125}))
+    _records(Path(cells[1]["out_dir"]), 1)
+    capsys.readouterr()
+    assert _main(monkeypatch, ["sweep", str(cfg), "--status"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 5 cells complete, 0 running, 5 of 20 records" in " ".join(out.split())
+    assert "4/4" in out and "1/4" in out and "not started" in out
+    assert "0.8125" not in out and "81" not in out  # a sweep runs blind: no accuracy
+    assert not (Path(cells[2]["out_dir"])).exists()  # reads, creates nothing
+    assert _main(monkeypatch, ["sweep", str(cfg), "--status", "--ray"]) == 2
+    assert capsys.readouterr().err == "skipkv: error: sweep: --status reads the run dirs here; it takes no --ray\n"
+    with pytest.raises(SystemExit):
+        _main(monkeypatch, ["sweep", str(cfg), "--status", "--dry-run"])

@@ -1,6 +1,7 @@
 """Sweeps: a YAML grid (dataset x policy x budget x seed) expanded into one eval run per cell.
 
     skipkv sweep examples/sweep_gsm8k.yaml --dry-run     # list the cells and their output dirs
+    skipkv sweep examples/sweep_gsm8k.yaml --status      # records per cell, complete or running (no accuracy)
     skipkv sweep examples/sweep_gsm8k.yaml               # run them one after another, in this process
     skipkv sweep examples/sweep_gsm8k.yaml --ray         # one Ray task per cell on a local Ray cluster
     skipkv sweep examples/sweep_gsm8k.yaml --ray ray://head:10001 --num-cpus 4
@@ -23,7 +24,8 @@ engine/shared.py). Each cell's directory gets the records a run of its own would
 With h2o among them, that one prefill accumulates attention sums (H2O's slower prefill, once for the unit).
 
 The package: `spec` reads and checks the YAML and expands it into cells, `run` turns a cell into an eval run
-and dispatches cells (in this process or as Ray tasks), `cli` is `skipkv sweep`.
+and dispatches cells (in this process or as Ray tasks), `status` reads how far each cell is, `cli` is
+`skipkv sweep`.
 """
 
 from skipkv.sweep.cli import register

@@ -1,15 +1,18 @@
-"""`skipkv sweep CONFIG.yaml [--dry-run] [--ray [ADDRESS]]`: expand a sweep file and run its cells.
+"""`skipkv sweep CONFIG.yaml [--dry-run | --status] [--ray [ADDRESS]]`: expand a sweep file and run its cells.
 
-    skipkv sweep examples/sweep_gsm8k.yaml --dry-run
+    skipkv sweep examples/sweep_gsm8k.yaml --dry-run     # the cells and their output dirs
+    skipkv sweep examples/sweep_gsm8k.yaml --status      # how far each cell is (no accuracy), beside running sweeps
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
+from skipkv.errors import SkipKVError
 from skipkv.sweep.run import CellResult, expand_results, run_local, run_ray, run_unit, shared_units, to_eval_config
-from skipkv.sweep.spec import SWEEP_KEYS, load_sweep, ray_resources
+from skipkv.sweep.spec import SWEEP_KEYS, Cell, load_sweep, ray_resources
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -24,7 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run each cell as a Ray task; without ADDRESS start a local cluster")
     p.add_argument("--num-cpus", type=float, default=None,
                    help="CPUs per Ray task (default: the YAML's ray.num_cpus, else 1)")
-    p.add_argument("--dry-run", action="store_true", help="list the cells and their output dirs; run nothing")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--dry-run", action="store_true", help="list the cells and their output dirs; run nothing")
+    what.add_argument("--status", action="store_true",
+                      help="show each cell's finished records, whether it is complete and which process is "
+                           "writing it now (no accuracy; touches nothing, so it is safe beside running sweeps); "
+                           "run nothing")
     p.set_defaults(func=_main)
 
 
@@ -36,6 +44,35 @@ def _shown(path: str) -> str:
         return path
 
 
+def _status_table(config: Path, cells: list[Cell]) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from skipkv.sweep.status import cell_status, lock_holders
+
+    holders = lock_holders()
+    rows = []
+    for cell in cells:
+        cfg = to_eval_config(cell)
+        rows.append(cell_status(cell, cfg.limit, cfg.samples, holders))
+    done = sum(r.done for r in rows)
+    targets = [r.target for r in rows]
+    total = f" of {sum(t for t in targets if t is not None)}" if all(t is not None for t in targets) else ""
+    finished = sum(r.complete for r in rows)
+    running = sum(r.writer is not None and not r.complete for r in rows)
+    table = Table(title=f"{config}: {finished} of {len(rows)} cells complete, {running} running, "
+                        f"{done}{total} records")
+    table.add_column("#", justify="right")
+    table.add_column("cell", no_wrap=True)
+    table.add_column("dataset dir", no_wrap=True)
+    table.add_column("records", justify="right", no_wrap=True)
+    table.add_column("state", overflow="fold")
+    for i, r in enumerate(rows, 1):
+        records = f"{r.done}/{r.target}" if r.target is not None else str(r.done)
+        table.add_row(str(i), r.name, escape(Path(r.out_dir).parent.name), records, escape(r.state))
+    return table
+
+
 def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -45,6 +82,11 @@ def _main(args: argparse.Namespace) -> int:
     raw, cells = load_sweep(args.config)
     for cell in cells:  # every cell must make a valid EvalConfig before the first one spends hours
         to_eval_config(cell)
+    if args.status:
+        if args.ray is not None:
+            raise SkipKVError("sweep: --status reads the run dirs here; it takes no --ray")
+        console.print(_status_table(args.config, cells))
+        return 0
     units = shared_units(cells) if raw.get("share_prefill") else cells
     if args.dry_run:
         group_of = {c["out_dir"]: i for i, u in enumerate(units, 1) for c in u.get("group", [])}
