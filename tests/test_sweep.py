@@ -419,7 +419,7 @@ def test_cli_status_is_blind_and_counts(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1 of 5 cells complete, 0 running, 5 of 20 records" in " ".join(out.split())
     assert "4/4" in out and "1/4" in out and "not started" in out
-    assert "0.8125" not in out and "81" not in out  # a sweep runs blind: no accuracy
+    assert "0.8125" not in out and "81.2" not in out  # a sweep runs blind: no accuracy
     assert not (Path(cells[2]["out_dir"])).exists()  # reads, creates nothing
     assert _main(monkeypatch, ["sweep", str(cfg), "--status", "--ray"]) == 2
     assert capsys.readouterr().err == "skipkv: error: sweep: --status reads the run dirs here; it takes no --ray\n"

@@ -44,17 +44,14 @@ def _shown(path: str) -> str:
         return path
 
 
-def _status_table(config: Path, cells: list[Cell]) -> Any:
+def _status_table(config: Path, cells: list[Cell], configs: list[Any]) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
     from skipkv.sweep.status import cell_status, lock_holders
 
     holders = lock_holders()
-    rows = []
-    for cell in cells:
-        cfg = to_eval_config(cell)
-        rows.append(cell_status(cell, cfg.limit, cfg.samples, holders))
+    rows = [cell_status(cell, cfg.limit, cfg.samples, holders) for cell, cfg in zip(cells, configs)]
     done = sum(r.done for r in rows)
     targets = [r.target for r in rows]
     total = f" of {sum(t for t in targets if t is not None)}" if all(t is not None for t in targets) else ""
@@ -80,12 +77,11 @@ def _main(args: argparse.Namespace) -> int:
 
     console = Console()
     raw, cells = load_sweep(args.config)
-    for cell in cells:  # every cell must make a valid EvalConfig before the first one spends hours
-        to_eval_config(cell)
+    configs = [to_eval_config(cell) for cell in cells]  # every cell must be valid before the first spends hours
     if args.status:
         if args.ray is not None:
             raise SkipKVError("sweep: --status reads the run dirs here; it takes no --ray")
-        console.print(_status_table(args.config, cells))
+        console.print(_status_table(args.config, cells, configs))
         return 0
     units = shared_units(cells) if raw.get("share_prefill") else cells
     if args.dry_run:

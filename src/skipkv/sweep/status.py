@@ -1,15 +1,15 @@
 """Where a sweep stands, read from its cells' run dirs without touching them: `skipkv sweep CONFIG --status`.
 
     from skipkv.sweep import load_sweep
-    from skipkv.sweep.status import cell_status
+    from skipkv.sweep.status import cell_status, lock_holders
     raw, cells = load_sweep("benchmarks/results_skipkv_prereg.yaml")
     [cell_status(c, limit=50, samples=1, holders=lock_holders()) for c in cells]
 
 Per cell: the (example, sample) records finished, out of `limit` × `samples` when the cell has a limit; whether
 summary.json calls the run complete; and whether a process holds the run dir's lock now (it is writing there).
 Nothing here takes the lock or repairs a torn last line (the eval runner does both when it resumes), so a status
-read beside running sweeps cannot make one of them skip a cell or cut a record being written. Accuracy is never
-read: a sweep runs blind (sweep/run.py).
+read beside running sweeps cannot make one of them skip a cell or cut a record being written. No accuracy is
+shown: a sweep runs blind (sweep/run.py).
 
 Which process holds a lock comes from /proc/locks (Linux: flock locks by device and inode); where that file
 cannot be read, no cell shows as being written and a partial one shows as partial.
