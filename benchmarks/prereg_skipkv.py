@@ -2,6 +2,7 @@
 
     python benchmarks/prereg_skipkv.py docs/results/runs/skipkv_prereg                # Markdown, per dataset
     python benchmarks/prereg_skipkv.py docs/results/runs/skipkv_prereg --json out.json --plot docs/results/plots
+    python benchmarks/prereg_skipkv.py docs/results/runs/skipkv_prereg --dataset math500 --json math500.json
 
 Per dataset (gsm8k, math500; a directory `<set>-b<k>` is block k of 50 examples), per cell: correct / n with
 a Wilson 95% interval, mean generated tokens, and per chain the check sentences, the flagged sentences and
@@ -177,8 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="a folder: one PNG per dataset (accuracy and length vs budget)")
+    ap.add_argument("--dataset", action="append", help="analyse only this dataset (repeatable; default: every one)")
     args = ap.parse_args(argv)
     grid = load(args.root)
+    if args.dataset:
+        unknown = sorted(set(args.dataset) - set(grid))
+        if unknown:
+            ap.error(f"no dataset {', '.join(unknown)} under {args.root} (found: {', '.join(sorted(grid)) or 'none'})")
+        grid = {k: v for k, v in grid.items() if k in args.dataset}
     out = {}
     for name, cells in sorted(grid.items()):
         if not any(cells.values()):  # a dataset whose cells have begun but hold no record yet

@@ -223,6 +223,24 @@ def test_skipkv_plot_uses_blocks_1_2_and_writes_one_png_per_dataset(prereg_skipk
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_skipkv_dataset_option_keeps_one_dataset_and_refuses_an_unknown_one(prereg_skipkv, tmp_path, capsys):
+    make_skipkv(tmp_path / "grid")
+    math = tmp_path / "grid" / "math500-b1" / "full-s0"
+    math.mkdir(parents=True)
+    (math / "records.jsonl").write_text(json.dumps({"id": "m0", "correct": True, "generated_tokens": 9}) + "\n")
+    both, one = tmp_path / "both.json", tmp_path / "one.json"
+    assert prereg_skipkv.main([str(tmp_path / "grid"), "--json", str(both)]) == 0
+    assert "### math500" in capsys.readouterr().out
+    assert prereg_skipkv.main([str(tmp_path / "grid"), "--dataset", "gsm8k", "--json", str(one)]) == 0
+    printed = capsys.readouterr().out
+    assert "### gsm8k" in printed and "### math500" not in printed
+    assert set(json.loads(both.read_text())) == {"gsm8k", "math500"}
+    assert json.loads(one.read_text()) == {"gsm8k": json.loads(both.read_text())["gsm8k"]}
+    with pytest.raises(SystemExit) as e:
+        prereg_skipkv.main([str(tmp_path / "grid"), "--dataset", "aime"])
+    assert e.value.code == 2 and "no dataset aime" in capsys.readouterr().err
+
+
 def test_plot_draws_accuracy_or_the_mean_score_and_refuses_families_without_one(tmp_path):
     """benchmarks/plot_prereg.py on an analysis written by prereg.py: one PNG per family; `--score` only for
     families whose rows carry a score interval, with a clear error otherwise."""
