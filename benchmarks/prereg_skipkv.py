@@ -13,6 +13,7 @@ the compressions. Tests, exact two-sided McNemar on the same examples, Holm-adju
     skipkv, seal (18 tests), and seal vs full (1): 19 tests.
 Length (the steering claim) is described, not tested: the paired mean difference in generated tokens with a
 bootstrap 95% interval, for skipkv-steer vs skipkv at each budget and seal vs full.
+`--baseline-lengths` adds, outside the registered analysis, the same for each SkipKV variant against R-KV and SEAL.
 Only examples that every cell of a comparison finished enter it (an interrupted sweep is analysed on what
 finished, and the n says so).
 """
@@ -96,9 +97,16 @@ def describe(cells: dict, blocks: set[int] | None = None) -> list[dict]:
     return rows
 
 
-def lengths(cells: dict) -> list[dict]:
+LENGTHS = [("skipkv-steer", "skipkv", x) for x in BUDGETS] + [("seal", "full", None)]  # registered
+# Not in the registered analysis (`--baseline-lengths`, added after the grid finished): each SkipKV variant's length
+# against R-KV at the same budget and against SEAL. Described like the registered ones, never tested.
+BASELINE_LENGTHS = [(a, b, x) for x in BUDGETS for a, b in (("skipkv", "rkv"), ("skipkv-steer", "rkv"),
+                                                             ("skipkv", "seal"), ("skipkv-steer", "seal"))]
+
+
+def lengths(cells: dict, pairs: list[tuple[str, str, str | None]] = LENGTHS) -> list[dict]:
     out = []
-    for a, b, budget in [("skipkv-steer", "skipkv", x) for x in BUDGETS] + [("seal", "full", None)]:
+    for a, b, budget in pairs:
         ra, rb = cell_of(cells, a, budget), cell_of(cells, b, budget)
         common = sorted(set(ra) & set(rb))
         diffs = [ra[k]["generated_tokens"] - rb[k]["generated_tokens"] for k in common]
@@ -165,11 +173,16 @@ def markdown(name: str, result: dict) -> str:
         for r in result[fam]:
             lines.append(f"| {r['a']} vs {r['b']} | {r['budget'] or '—'} | {r['n']} | {r['acc_a']:.3f} | "
                          f"{r['acc_b']:.3f} | {r['only_a']} | {r['only_b']} | {r['p']:.3g} | {r['p_holm']:.3g} |")
-    lines += ["", "length (paired mean difference in generated tokens, bootstrap 95% CI; described, not tested)", "",
-              "| A − B | budget | n | mean | 95% CI |", "|---|---:|---:|---:|---|"]
-    for r in result["lengths"]:
-        lines.append(f"| {r['a']} − {r['b']} | {r['budget'] or '—'} | {r['n']} | {r['mean_diff']:+.1f} | "
-                     f"{r['lo']:+.1f} to {r['hi']:+.1f} |")
+    for key, title in (("lengths", "length (paired mean difference in generated tokens, bootstrap 95% CI; "
+                                    "described, not tested)"),
+                       ("baseline_lengths", "length against R-KV and SEAL (not in the registered analysis; "
+                                            "paired mean difference, bootstrap 95% CI; described, not tested)")):
+        if key not in result:
+            continue
+        lines += ["", title, "", "| A − B | budget | n | mean | 95% CI |", "|---|---:|---:|---:|---|"]
+        for r in result[key]:
+            lines.append(f"| {r['a']} − {r['b']} | {r['budget'] or '—'} | {r['n']} | {r['mean_diff']:+.1f} | "
+                         f"{r['lo']:+.1f} to {r['hi']:+.1f} |")
     return "\n".join(lines)
 
 
@@ -179,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="a folder: one PNG per dataset (accuracy and length vs budget)")
     ap.add_argument("--dataset", action="append", help="analyse only this dataset (repeatable; default: every one)")
+    ap.add_argument("--baseline-lengths", action="store_true",
+                    help="also describe SkipKV's and SkipKV + steering's lengths against R-KV and SEAL "
+                         "(not in the registered analysis)")
     args = ap.parse_args(argv)
     grid = load(args.root)
     if args.dataset:
@@ -192,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         out[name] = {"cells": describe(cells), "primary": compare(cells, PRIMARY, {1, 2, 3, 4}),
                      "secondary": compare(cells, SECONDARY, {1, 2}), "lengths": lengths(cells)}
+        if args.baseline_lengths:
+            out[name]["baseline_lengths"] = lengths(cells, BASELINE_LENGTHS)
         print(markdown(name, out[name]), end="\n\n")
         if args.plot:
             args.plot.mkdir(parents=True, exist_ok=True)

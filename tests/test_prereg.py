@@ -209,6 +209,14 @@ def test_skipkv_lengths_are_paired_differences(prereg_skipkv, tmp_path):
     assert steer64["n"] == len(diffs) == 23
     assert steer64["mean_diff"] == pytest.approx(sum(diffs) / len(diffs))
     assert steer64["lo"] <= steer64["mean_diff"] <= steer64["hi"]
+    # not registered: each SkipKV variant against R-KV at its budget and against SEAL (one cell for all budgets)
+    extra = prereg_skipkv.lengths(prereg_skipkv.load(tmp_path)["gsm8k"], prereg_skipkv.BASELINE_LENGTHS)
+    assert len(extra) == 12
+    for a, b in (("skipkv", "rkv-b64-s0"), ("skipkv", "seal-s0")):
+        row = next(r for r in extra if r["a"] == a and r["b"] == b.split("-")[0] and r["budget"] == "64")
+        d = [recs[(blk, "skipkv-b64-s0")][i]["generated_tokens"] - recs[(blk, b)][i]["generated_tokens"]
+             for (blk, c), by_id in recs.items() if c == "skipkv-b64-s0" for i in by_id]
+        assert row["n"] == len(d) == 23 and row["mean_diff"] == pytest.approx(sum(d) / len(d))
 
 
 def test_skipkv_plot_uses_blocks_1_2_and_writes_one_png_per_dataset(prereg_skipkv, tmp_path):
@@ -236,6 +244,10 @@ def test_skipkv_dataset_option_keeps_one_dataset_and_refuses_an_unknown_one(prer
     assert "### gsm8k" in printed and "### math500" not in printed
     assert set(json.loads(both.read_text())) == {"gsm8k", "math500"}
     assert json.loads(one.read_text()) == {"gsm8k": json.loads(both.read_text())["gsm8k"]}
+    assert "baseline_lengths" not in json.loads(both.read_text())["gsm8k"]  # the registered output, unchanged
+    assert prereg_skipkv.main([str(tmp_path / "grid"), "--baseline-lengths", "--json", str(one)]) == 0
+    assert len(json.loads(one.read_text())["gsm8k"]["baseline_lengths"]) == 12
+    assert "not in the registered analysis" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         prereg_skipkv.main([str(tmp_path / "grid"), "--dataset", "aime"])
     assert e.value.code == 2 and "no dataset aime" in capsys.readouterr().err
