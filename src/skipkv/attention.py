@@ -212,7 +212,8 @@ def _grouped_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: t
     G = Hq // H
     scale = scaling if scaling is not None else D**-0.5
     # [B, H, G*T, K]
-    logits = torch.matmul(query.reshape(B, H, G * T, D).float(), key.float().transpose(-1, -2)) * scale
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32, or fp64 for an fp64 model (the exactness tests)
+    logits = torch.matmul(query.reshape(B, H, G * T, D).to(acc), key.to(acc).transpose(-1, -2)) * scale
     logits = logits.view(B, H, G, T, K)
     if mask is not None:  # None: every key is visible to every query
         logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
@@ -283,7 +284,8 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         if mask is None and fused:
             outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=G > 1))
             continue
-        logits = (torch.matmul(q.reshape(B, 1, G * T, D).float(), k.float().transpose(-1, -2)) * scale)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        logits = (torch.matmul(q.reshape(B, 1, G * T, D).to(acc), k.to(acc).transpose(-1, -2)) * scale)
         logits = logits.view(B, 1, G, T, K)
         if mask is not None:
             logits = logits.masked_fill(~mask[:, :, None], float("-inf"))

@@ -119,6 +119,7 @@ PV_ENV = "SKIPKV_DECODE_PV"
 BUCKET_ENV = "SKIPKV_DECODE_PV_BUCKETS"
 MALLOC_ENV = "SKIPKV_MALLOC"
 CUDNN_SDPA_ENV = "SKIPKV_CUDNN_SDPA"
+STEP_ENV = "SKIPKV_DECODE_STEP"
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
 _PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
 
@@ -251,6 +252,18 @@ def decode_pv() -> tuple[str, str]:
     probabilities rounded to the model's dtype) or "fp32" (values converted to fp32), and why (module docstring).
     Cached: called per layer."""
     return _decode_pv(os.environ.get(PV_ENV))
+
+
+def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[str, str]:
+    """How decode steps over a uniform store run (engine/step.py): "compiled" (the fixed-shape step through
+    torch.compile), "eager" (the fixed-shape step, uncompiled) or "hf" (the HF modules with the skipkv attention
+    backend), and why. `SKIPKV_DECODE_STEP=compiled|eager|hf` overrides."""
+    forced = os.environ.get(STEP_ENV)
+    if forced is not None:
+        if forced not in ("compiled", "eager", "hf"):
+            raise SkipKVError(f"{STEP_ENV} must be compiled, eager or hf, got {forced!r}")
+        return forced, f"{STEP_ENV}={forced} (overridden)"
+    return "hf", "the HF modules' step (default)"
 
 
 def key_bucket(keys: int) -> int:

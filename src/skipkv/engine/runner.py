@@ -29,9 +29,10 @@ from skipkv.cache.store import to_device
 from skipkv.engine.memory import KVMemory, chunk_width, running_need
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
+from skipkv.engine.step import FixedStep
 from skipkv.engine.trace import RequestTrace, token_texts
 from skipkv.errors import SkipKVError
-from skipkv.hardware import sdpa_context
+from skipkv.hardware import decode_pv, decode_step, sdpa_context
 from skipkv.models import unpad
 from skipkv.policies.base import Observation, Policy
 from skipkv.steering.hook import ResidualAdd
@@ -43,11 +44,12 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 class ModelRunner:
     def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
                  steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0,
-                 share_prefix: int = 0, unpad_prefill: bool = True) -> None:
+                 share_prefix: int = 0, unpad_prefill: bool = True, fixed_step: str | None = None) -> None:
         """`policy`: what to capture for (queries, attention sums, hidden states); each request brings its own
         (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none).
         `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`). `unpad_prefill`:
-        EngineConfig.unpad_prefill (models/unpad.py)."""
+        EngineConfig.unpad_prefill (models/unpad.py). `fixed_step`: "hf" (the HF modules, eager), "eager" or
+        "compiled" (engine/step.py) for decode steps over a uniform store; None: hardware.decode_step's choice."""
         self.model = bundle.model
         self.unpad_prefill = unpad_prefill and unpad.install(bundle.model) > 0
         self.tokenizer = bundle.tokenizer
@@ -81,6 +83,9 @@ class ModelRunner:
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
         self._reshape_due = True  # something changed what the store must hold since the last fit()
+        mode = decode_step(bundle.dtype, bundle.device)[0] if fixed_step is None else fixed_step
+        self.fixed = (FixedStep(bundle.model, decode_pv()[0] == "model", compile=mode == "compiled")
+                      if mode != "hf" else None)
         self._fitted_exact: bool | None = None
 
     @property
@@ -99,6 +104,17 @@ class ModelRunner:
                                    cache=self.cache, use_cache=True, skipkv_ctx=ctx)
         self.store.advance(start, real)
         return out.last_hidden_state
+
+    def _fixed_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decode step of rows [0, B) through the fixed-shape step (engine/step.py). Returns hidden [B, 1, E]."""
+        assert self.fixed is not None
+        steer = None
+        if self.steering is not None and self.steering.scale is not None:
+            steer = (self.steering.layer, self.steering.vector, self.steering.scale)
+            self.steering.scale = None  # consumed, as the hook does
+        hidden = self.fixed(self.store, tokens, positions, self.queries, "attn" in self.store.aux_names, steer)
+        self.store.advance(0, torch.ones(tokens.shape[0], dtype=torch.long))
+        return hidden[:, None]
 
     @staticmethod
     def _host_hidden(hidden: torch.Tensor) -> torch.Tensor:
@@ -294,7 +310,10 @@ class ModelRunner:
         positions = to_device(torch.tensor([[r.next_position] for r in self.running]), device)
         if self.steering is not None:
             self.steering.prepare(last, [r.state for r in self.running])
-        hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
+        if self.fixed is not None and FixedStep.supports(self.model, self.store)[0]:
+            hidden = self._fixed_forward(ids[:, 0], positions[:, 0])
+        else:
+            hidden = self._forward(0, ids, positions, torch.ones(B, dtype=torch.long))
         for r in self.running:
             r.fed += 1
         held = self._note_memory(0, self.running, decoding=True)

@@ -32,6 +32,17 @@ from skipkv.hardware import release_free_memory
 KEEP_DENSE = frozenset({"o_proj", "lm_head"})
 
 
+@torch.library.custom_op("skipkv::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [N, in] times a oneDNN-packed weight: `PackedLinear`'s product as one op that torch.compile keeps whole."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class PackedLinear(torch.nn.Module):
     """`torch.nn.Linear` with a oneDNN-packed weight. `weight` stays only where `keep_dense` (see KEEP_DENSE)."""
 
@@ -45,8 +56,13 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                               "none", [], "")
+        if torch.compiler.is_compiling():
+            # inductor lowers `_linear_pointwise` only for weights frozen into the graph; the opaque op below runs
+            # the same kernel on the packed weight as an input (engine/step.py compiles the decode step).
+            y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
+                                                   "none", [], "")
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

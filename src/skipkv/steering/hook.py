@@ -25,6 +25,7 @@ class ResidualAdd:
         p = next(model.parameters())
         self.vector = vector.to(device=p.device, dtype=p.dtype)
         self.coef, self.gate = coef, gate
+        self.layer = layer
         self.scale: torch.Tensor | None = None  # [B] coefficient per row for the next forward (0 = closed)
         self.handle = layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
 

@@ -1,0 +1,173 @@
+"""The fixed-shape decode step: one token for each of rows [0, B) of a uniform slot store, as one function of
+tensors, so that it can run eagerly (checked against the HF-module step) or compiled with
+`torch.compile(fullgraph=True)`.
+
+    SKIPKV_COMPILE_STEP=1 skipkv generate --model random:qwen2:0.5b --batch-size 16 --prompts FILE.jsonl
+
+What makes it fixed: the rows' lengths go in as a tensor [L, B] (a copy of the store's host lengths), the new
+entry of every row and layer is written by index at that length, attention reads a fixed key extent (the first
+`extent` entries of every layer, `hardware.key_bucket` of the longest row, capped at the capacity) with the mask
+built inside the step from the lengths, and policies' decode-time observations are index writes into their own
+buffers (the query ring of `QueryBuffer`, H2O's accumulators). Steering is an add of `scale[b] * vector` at one
+layer's input. Compression, prefill, sampling and the hidden-state observation run outside, between steps, and
+rewrite the same store tensors in place; nothing here keeps state between calls.
+
+The arithmetic is the HF module's, op for op (RMSNorm in fp32, rotary as `apply_rotary_pos_emb`, q.k and the
+softmax in fp32, p.V as `attention._probs_times_values`), and the linears are the model's own modules (packed,
+transposed or dense). What differs from the eager step is the key extent: it reads masked entries past a row's
+length (zero probabilities), and on a CPU batched fp32 products and reductions over another extent may sum in
+another order. tests/test_fixed_step.py checks tokens and fp32 values against the eager step.
+
+Where it applies (`FixedStep.supports`): a uniform store (not head-split: a head-split store's kv heads hold
+different counts and stay on the eager path) whose layers share one capacity (LaProx and PyramidKV leave layers at
+different lengths and capacities: eager), Qwen2, Qwen3 and Llama decoder layers. Compiled, the batch and key
+extent are dynamic dimensions (one graph for B >= 2, one for B = 1, since torch specialises size 1), so a batch
+that shrinks as requests finish, or a cache that grows, does not recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from skipkv.hardware import key_bucket
+
+
+def _rms(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen2/Llama/Qwen3 RMSNorm, op for op."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return module.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FixedStep:
+    """The decode step over a uniform store (module docstring). Call `supports` first; `compiled` wraps it."""
+
+    def __init__(self, model: Any, pv_in_model_dtype: bool, compile: bool = False,
+                 bucket_keys: bool = False) -> None:
+        """`pv_in_model_dtype`: p.V takes the probabilities rounded to the model's 16-bit dtype
+        (hardware.decode_pv "model"), else in fp32. `compile`: run through torch.compile(fullgraph=True).
+        `bucket_keys`: attend over `hardware.key_bucket` of the longest row's keys (a few extents, for a captured
+        graph) instead of exactly its keys (the same extent as the HF step, hence its bits on a CPU)."""
+        self.model: Any = model  # a transformers causal LM of a supported family
+        cfg = model.config
+        self.num_heads: int = int(cfg.num_attention_heads)
+        self.num_kv_heads: int = int(cfg.num_key_value_heads)
+        self.head_dim: int = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.pv_in_model_dtype = pv_in_model_dtype
+        self.bucket_keys = bucket_keys
+        self.compiled = compile
+        self._fn: Callable[..., torch.Tensor] = self._step
+        self._layer_fn: Callable[..., torch.Tensor] = self._layer
+        if compile:
+            self._layer_fn = torch.compile(self._layer, fullgraph=True, dynamic=True)
+
+    @staticmethod
+    def supports(model: Any, store: Any) -> tuple[bool, str]:
+        """Whether this step can run over `store` now; the reason when not."""
+        if store.head_split:
+            return False, "head-split store"
+        if len(set(store.capacities)) != 1:
+            return False, "layers of different capacities"
+        if model.config.model_type not in ("qwen2", "qwen3", "llama"):
+            return False, f"model type {model.config.model_type}"
+        return True, "uniform store"
+
+    def __call__(self, store: Any, tokens: torch.Tensor, positions: torch.Tensor,
+                 queries: Any = None, accumulate: bool = False,
+                 steer: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Decode one token for rows [0, B): tokens, positions [B] (device, long). Writes every layer's new entry
+        into the store (lengths are advanced by the caller, `KVStore.advance`). `queries`: the QueryBuffer to
+        record this step's queries in; `accumulate`: add the attention each entry receives into store.aux["attn"];
+        `steer`: (layer, vector [E], scale [B]) added at that layer's input. Returns the final hidden [B, E]."""
+        B = tokens.shape[0]
+        host = store.lengths[:, :B]
+        extent = int(host.max()) + 1
+        if self.bucket_keys:
+            extent = min(store.capacities[0], key_bucket(extent))
+        lengths = host.to(tokens.device)
+        q_ring = q_pos = None
+        if queries is not None:
+            q_ring, q_pos = queries.q, queries.qpos
+        attn = store.aux["attn"] if accumulate else None
+        zero_aux = [store.aux[n] for n in store.aux_names if not (accumulate and n == "attn")]
+        args = (tokens, positions, lengths, extent, store.k, store.v, store.pos, attn, zero_aux, q_ring, q_pos, steer)
+        if not self.compiled:
+            return self._fn(*args)
+        # No duck shaping: a batch that happens to equal a model dimension (the kv heads) when the graph is traced
+        # must not become a guard that the next batch size fails.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            return self._fn(*args)
+
+    def _step(self, tokens, positions, lengths, extent: int, k_store: list, v_store: list, pos_store: list,
+              attn: list | None, zero_aux: list, q_ring: torch.Tensor | None, q_pos: Any,
+              steer: tuple | None) -> torch.Tensor:
+        inner = self.model.model
+        B = tokens.shape[0]
+        x = inner.embed_tokens(tokens[:, None])  # [B, 1, E]
+        cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, D]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D] against [B, heads, 1, D]
+        rows = torch.arange(B, device=tokens.device)
+        visible = torch.arange(extent, device=tokens.device)[None, None, :] <= lengths[:, :, None]  # [L, B, K]
+        pos32 = positions.to(torch.int32)[:, None].expand(B, self.num_kv_heads)
+        ring = None
+        if q_ring is not None:
+            ring = positions % q_ring.shape[3]
+            q_pos[rows, ring] = positions
+        for l, layer in enumerate(inner.layers):
+            if steer is not None and steer[0] == l:
+                x = x + steer[2][:, None, None] * steer[1]
+            x = self._layer_fn(layer, x, cos, sin, rows, lengths[l], visible[l], pos32, k_store[l], v_store[l],
+                               pos_store[l], None if attn is None else attn[l], [a[l] for a in zero_aux],
+                               None if q_ring is None else q_ring[l], ring)
+        return _rms(inner.norm, x)[:, 0]
+
+    def _layer(self, layer: Any, x, cos, sin, rows, at_len, visible, pos32, k_store, v_store, pos_store, attn,
+               zero_aux: list, q_ring, ring) -> torch.Tensor:
+        """One decoder layer for one new token per row. at_len [B]: entries before it; visible [B, K]."""
+        B = x.shape[0]
+        Hq, H, D = self.num_heads, self.num_kv_heads, self.head_dim
+        G = Hq // H
+        extent = visible.shape[-1]
+        at = layer.self_attn
+        h = _rms(layer.input_layernorm, x)
+        q = at.q_proj(h).view(B, 1, Hq, D)
+        k = at.k_proj(h).view(B, 1, H, D)
+        v = at.v_proj(h).view(B, 1, H, D).transpose(1, 2)
+        if hasattr(at, "q_norm"):  # Qwen3: per-head norms before the rotary
+            q, k = at.q_norm(q), at.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_store[rows, :, at_len] = k[:, :, 0]
+        v_store[rows, :, at_len] = v[:, :, 0]
+        pos_store[rows, :, at_len] = pos32
+        for aux in zero_aux:
+            aux[rows, :, at_len] = 0.0
+        if attn is not None:
+            attn[rows, :, at_len] = 0.0
+        if q_ring is not None:
+            q_ring[rows, :, ring] = q[:, :, 0]
+        kc = k_store[:B, :, :extent]  # [B, H, K, D]
+        vc = v_store[:B, :, :extent]
+        acc = torch.promote_types(q.dtype, torch.float32)  # as attention._grouped_attention
+        logits = torch.matmul(q.reshape(B, H, G, D).to(acc), kc.to(acc).transpose(-1, -2)) * at.scaling
+        logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [B, H, G, K]
+        if attn is not None:
+            attn[:B, :, :extent] += probs.sum(dim=2)
+        if vc.dtype in (torch.float32, torch.float64) or not self.pv_in_model_dtype:
+            o = torch.matmul(probs, vc.to(probs.dtype)).to(vc.dtype)
+        else:
+            o = torch.matmul(probs.to(vc.dtype), vc)
+        x = x + at.o_proj(o.reshape(B, 1, Hq * D))
+        h = _rms(layer.post_attention_layernorm, x)
+        mlp = layer.mlp
+        return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
