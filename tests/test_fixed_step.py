@@ -134,3 +134,17 @@ def test_supports_only_uniform_stores(pair32):
         assert FixedStep.supports(pair32[0].model, eng.runner.store) == (False, "head-split store")
     finally:
         eng.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("command", [["generate", "--max-new-tokens", "2", "hi"], ["serve", "--port", "18997"]])
+def test_generate_and_serve_take_device(command, capsys):
+    """`--device` on generate and serve (as on eval and bench throughput): a device this machine lacks is one line."""
+    from skipkv.cli import main
+
+    try:
+        code = main([command[0], "--model", "random:qwen2", "--device", "cuda", *command[1:]])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "device 'cuda' is not available" in err, err

@@ -263,7 +263,15 @@ def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple
         if forced not in ("compiled", "eager", "hf"):
             raise SkipKVError(f"{STEP_ENV} must be compiled, eager or hf, got {forced!r}")
         return forced, f"{STEP_ENV}={forced} (overridden)"
-    return "hf", "the HF modules' step (default)"
+    device = torch.device(device)
+    if device.type != "cpu" or dtype == torch.float64 or decode_sdpa(device)[0]:
+        # There the HF step calls torch's fused SDPA where every key is visible; the fixed step's grouped product
+        # would round otherwise (and fp64 is the exactness tests' reference).
+        return "hf", "the HF modules' step: fused SDPA decode attention here, or fp64"
+    # On a CPU whose decode attention is the grouped one, the fixed-shape step runs the same products and gives the
+    # same bits (tests/test_fixed_step.py; bf16 checked too), 3-6% faster at batch 1 and 16 (docs/benchmarks.md).
+    # Compiled it gained at most the noise there, after 10-20 s of compiling per process: opt-in.
+    return "eager", "CPU with grouped decode attention: the fixed-shape step, the same bits, faster"
 
 
 def key_bucket(keys: int) -> int:
@@ -531,6 +539,8 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
     env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
     transposed, why = transposed_linears(torch.float32, "cpu")
     env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
+    step, why = decode_step(torch.bfloat16, "cpu")
+    env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
     env["allocator"] = dict(_allocator)
     if torch.cuda.is_available():
         backends, why = cuda_sdpa_backends()
@@ -546,4 +556,5 @@ if __name__ == "__main__":
                       "decode_pv_key_buckets_bf16": pv_buckets(torch.bfloat16),
                       "packed_linears_cpu_bf16": packed_linears(torch.bfloat16, "cpu"),
                       "upcast_linears_cpu_bf16": upcast_linears(torch.bfloat16, "cpu"),
-                      "transposed_linears_cpu_fp32": transposed_linears(torch.float32, "cpu")}, indent=2))
+                      "transposed_linears_cpu_fp32": transposed_linears(torch.float32, "cpu"),
+                      "decode_step_cpu_bf16": decode_step(torch.bfloat16, "cpu")}, indent=2))

@@ -81,6 +81,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"hub id, local folder, .gguf file, pulled name, or random:<family>[:size] "
                         f"(default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.add_argument("--batch-size", type=int, default=_ENGINE_DEFAULTS.batch_size)
     p.add_argument("--prefill-chunk", type=int, default=_ENGINE_DEFAULTS.prefill_chunk,
@@ -154,7 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           unpad_prefill=not args.no_unpad_prefill)
     prompts = read_prompts(args)
     threads = set_threads(args.threads)
-    bundle = load_model(args.model, dtype=args.dtype)
+    bundle = load_model(args.model, dtype=args.dtype, device=args.device)
     # What ran, once per request row: the dtype (and, for auto, why this machine got it) and the threads.
     ran = {"dtype": str(bundle.dtype).removeprefix("torch."), "torch_threads": threads,
            "dtype_reason": bundle.dtype_choice.reason if bundle.dtype_choice else "requested"}

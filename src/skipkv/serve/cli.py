@@ -81,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         spec = ReplicaSpec(args.model, args.dtype, policy, engine, settings, args.threads)
         run_replicas(spec, args.replicas, args.host, args.port, args.ray, args.replica_cpus)
         return 0
-    bundle = load_model(args.model, dtype=args.dtype)
+    bundle = load_model(args.model, dtype=args.dtype, device=args.device)
     app = create_app(bundle, policy, engine, settings)
     uvicorn.Server(server_config(app, settings, args.host, args.port, args.log_level)).run()
     return 0
