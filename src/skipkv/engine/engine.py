@@ -114,6 +114,9 @@ def new_request(bundle, ids: list[int], sp: SamplingParams, policy: Policy, inde
     run under `policy`, or under its own lower `budget` (Policy.for_request) when one is given."""
     if not isinstance(sp, SamplingParams):
         raise SkipKVError(f"{what}: sampling must be SamplingParams, got {type(sp).__name__}")
+    if sp.n != 1:
+        raise SkipKVError(f"{what}: an engine request is one completion (sampling n={sp.n}); skipkv.LLM.generate "
+                          "expands n")
     if not ids:
         raise SkipKVError(f"{what} is empty")
     check_fits(what, len(ids), sp.max_new_tokens, bundle.max_context)

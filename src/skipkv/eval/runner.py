@@ -52,6 +52,9 @@ from skipkv.outputs import made_dir
 # Re-exported: where callers have always imported them from.
 __all__ = ["SUMMARY_FILE", "TRACES_FILE", "EvalConfig", "run_eval", "sample_seed", "summarize"]
 
+# Sampling knobs added after the first runs, with their defaults: recorded in a run's identity only when set.
+_LATER_SAMPLING = {"force_wait": 0, "n": 1, "repetition_penalty": 1.0}
+
 
 def _environment() -> dict[str, Any]:
     from skipkv.hardware import environment
@@ -117,8 +120,9 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
         "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
         "budget_ratio": cfg.budget_ratio,
         "budget_reference": {"mean_generated_tokens": plan.ref_mean} if plan.ref_mean is not None else None,
+        # Knobs added after the first runs are absent at their defaults: older run dirs still resume.
         "sampling": {k: v for k, v in dataclasses.asdict(sampling).items()
-                     if k != "force_wait" or v},  # absent when off: older run dirs still resume
+                     if k not in _LATER_SAMPLING or v != _LATER_SAMPLING[k]},
         "grader": {"name": dataset.grader, **public_fields(plan.grader)},
         "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
                    if k not in ("batch_size", "kv_memory", "prefill_budget", "share_prefix", "unpad_prefill")}
