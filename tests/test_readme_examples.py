@@ -41,3 +41,10 @@ def test_llm_example_runs_and_prints_each_answer():
     for n, _reason, peak, nbytes, comp in tails:
         assert 0 < int(n) <= 256 and int(peak) > 0 and int(nbytes) > 0 and int(comp) >= 0
     run(engine_block)
+
+
+def test_press_example_runs():
+    (block,) = python_blocks("Inside transformers (kvpress style)")
+    lines = run(block).splitlines()
+    # the answer with the peak KV tokens, then the pipeline's answer (random text on the random model)
+    assert len(lines) >= 2 and any(re.search(r" \d+$", line) for line in lines)
