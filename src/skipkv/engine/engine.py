@@ -105,7 +105,7 @@ def check_fits(what: str, prompt_len: int, max_new_tokens: int, max_context: int
     """A prompt plus its generation must fit the model's context (the cache is sized for it up front)."""
     if prompt_len + max_new_tokens > max_context:
         raise SkipKVError(f"{what}: {prompt_len} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
-                          f"model's context of {max_context}; lower --max-new-tokens")
+                          f"model's context of {max_context}; lower max_tokens (--max-tokens)")
 
 
 def new_request(bundle, ids: list[int], sp: SamplingParams, policy: Policy, index: int, eos: frozenset[int],

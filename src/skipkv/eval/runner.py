@@ -1,7 +1,7 @@
 """The evaluation runner: dataset -> prompts -> engine (batched) -> graders -> records.jsonl + summary.json.
 
     skipkv eval --model random:qwen2 --dataset gsm8k --limit 6 --policy rkv --budget 32 --interval 8 \\
-        --max-new-tokens 40 --out runs/smoke --quiet
+        --max-tokens 40 --out runs/smoke --quiet
     run_eval(EvalConfig(model="random:qwen2", dataset="gsm8k", policy="rkv", out="runs/smoke",
                         policy_knobs={"interval": 8}, budget=32, limit=6, max_new_tokens=40, quiet=True))
 
@@ -13,6 +13,7 @@ example in eval/shared.py.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -178,9 +179,27 @@ def run_eval(cfg: EvalConfig) -> Path:
     with made_dir(plan.out) as created, locked(plan.out):
         bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         run = open_run(cfg, plan, bundle, created)
+        line = resume_line(run)
+        if line and not cfg.quiet:
+            print(line, file=sys.stderr, flush=True)
         _generate(cfg, bundle, run, generate)
         close_run(run)
     return plan.out
+
+
+def resume_line(run: Run) -> str | None:
+    """"resuming: N of M records done" when the run dir already holds records of this run, else None."""
+    total = len(run.examples) * run.cfg.samples
+    done = total - len(run.jobs)
+    return f"resuming: {done} of {total} records done" if done else None
+
+
+def advance(bar: Any, correct: int, finished: int, blind: bool) -> None:
+    """Count one finished example on the progress bar, the running accuracy set first, so that the refresh that
+    `update` makes already shows this example's verdict."""
+    if not blind:
+        bar.set_postfix(acc=f"{correct / finished:.3f}", refresh=False)
+    bar.update(1)
 
 
 def _generate(cfg: EvalConfig, bundle: Any, run: Run, generate: Any) -> None:
@@ -214,9 +233,7 @@ def _generate(cfg: EvalConfig, bundle: Any, run: Run, generate: Any) -> None:
                     record["trace"] = TRACES_FILE
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1
-                bar.update(1)
-                if not cfg.blind:
-                    bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
+                advance(bar, correct, finished_count, cfg.blind)
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
                      EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory,
