@@ -83,3 +83,10 @@ def test_refusals(tiny):
         pass
     with pytest.raises(SkipKVError, match="press=KVPress"):
         KVPressPipeline(model=tiny.model, tokenizer=tiny.tokenizer)(PROMPT, question="q")
+
+
+def test_other_families(tiny_other):
+    ids = tiny_other.tokenizer(PROMPT)["input_ids"]
+    want = engine_tokens(tiny_other, ids, make_policy("rkv", **KNOBS), 24)
+    assert want.compressions > 0
+    assert hf_generate(tiny_other, KVPress("rkv", **KNOBS), ids, 24) == want.token_ids
