@@ -39,7 +39,7 @@ def test_llm_example_runs_and_prints_each_answer():
     tails = [line.split()[-5:] for line in lines if re.search(r" \d+ (stop|length) \d+ \d+ \d+$", line)]
     assert len(tails) == 2
     for n, _reason, peak, nbytes, comp in tails:
-        assert 0 < int(n) <= 256 and int(peak) > 0 and int(nbytes) > 0 and int(comp) >= 0
+        assert 0 < int(n) <= 64 and int(peak) > 0 and int(nbytes) > 0 and int(comp) >= 0
     run(engine_block)
 
 
