@@ -121,3 +121,12 @@ def test_running_accuracy_counts_the_example_just_finished():
     blind = _Bar()
     advance(blind, correct=1, finished=1, blind=True)
     assert blind.shown == [{}]
+
+
+def test_generate_takes_the_repetition_penalty(capsys):
+    from skipkv.engine.cli import sampling_from_args
+
+    args = cli.build_parser("generate").parse_args(["generate", "--repetition-penalty", "1.3", "x"])
+    assert sampling_from_args(args).repetition_penalty == 1.3
+    assert cli.main(["generate", "--model", "random:qwen2", "--repetition-penalty", "0", "x"]) == 2
+    assert "repetition_penalty must be > 0.0" in capsys.readouterr().err

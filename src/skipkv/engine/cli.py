@@ -68,13 +68,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="divide the logits of tokens already in the prompt or output (1 = off)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (benchmarks)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop),
+                          repetition_penalty=args.repetition_penalty)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
