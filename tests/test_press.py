@@ -70,7 +70,9 @@ def test_question_stays_out_of_compression(tiny):
     assert two["answers"] == [out["answer"]] * 2
 
 
-def test_refusals(tiny):
+def test_refusals(tiny, tmp_path):
+    from test_steering import write_vector
+
     press = KVPress("rkv", **KNOBS)
     with pytest.raises(SkipKVError, match="a batch of 2"), press(tiny.model):
         tiny.model.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2)
@@ -81,6 +83,10 @@ def test_refusals(tiny):
         KVPress("rkv", compression_ratio=1.0)
     with pytest.raises(SkipKVError, match="reads the text"), KVPress("skipkv", **KNOBS)(tiny.model):
         pass
+    with pytest.raises(SkipKVError, match="steering is not available"), KVPress(
+            "skipkv", steering=write_vector(tmp_path / "v.safetensors"), **KNOBS)(tiny.model, tiny.tokenizer):
+        pass
+    assert tiny.model.config._attn_implementation != "skipkv"
     with pytest.raises(SkipKVError, match="press=KVPress"):
         KVPressPipeline(model=tiny.model, tokenizer=tiny.tokenizer)(PROMPT, question="q")
 

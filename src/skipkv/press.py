@@ -104,7 +104,8 @@ class KVPress:
         if getattr(model.config, "_attn_implementation", None) == BACKEND:
             raise SkipKVError("KVPress: an Engine or another press is open on this model; close it first")
         bundle = _Bundle(model, tokenizer)
-        if self.policy.steering_hook(bundle) is not None:
+        # A steering file (SkipKV's and SEAL's `steering` knob) needs the engine's per-request gate each step.
+        if getattr(self.policy, "steering", None):
             raise SkipKVError("KVPress: steering is not available inside model.generate; use skipkv.LLM")
         if "hidden" in self.policy.requirements() and tokenizer is None:
             raise SkipKVError(f"KVPress: policy {type(self.policy).__name__} reads the text; pass the tokenizer: "
