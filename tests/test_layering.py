@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 3. requests, scheduler, KV memory, the step loop
     ("engine",),
     # 4. drivers of the engine: evaluation (and the steering build driver, which generates text), servers, benchmarks
-    ("eval", "serve", "bench"),
+    ("eval", "serve", "bench", "llm", "press", "press_pipeline"),
     # 5. readers of records and the entry points; `skipkv` is the package root (lazy re-exports for users)
     ("report", "sweep", "cli", "skipkv"),
 )

@@ -1,14 +1,15 @@
 """skipkv: batched LLM generation with a compressed KV cache.
 
-    from skipkv import load_model, generate, SamplingParams, make_policy
-    bundle = load_model("random:qwen2")
-    out = generate(bundle, ["Hello"], SamplingParams(max_new_tokens=20), make_policy("rkv", budget=64))
+    from skipkv import LLM, SamplingParams
+    llm = LLM("random:qwen2", policy="rkv", budget=64)
+    out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=20))
 """
 
 from skipkv.errors import SkipKVError
 from skipkv.version import __version__
 
-__all__ = ["SkipKVError", "SamplingParams", "generate", "load_model", "make_policy", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SkipKVError", "SamplingParams", "generate", "load_model",
+           "make_policy", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,6 +22,10 @@ def __getattr__(name: str):
         from skipkv import engine
 
         return getattr(engine, name)
+    if name in ("LLM", "CompletionOutput", "RequestOutput"):
+        from skipkv import llm
+
+        return getattr(llm, name)
     if name == "make_policy":
         from skipkv.policies import make_policy
 

@@ -1,6 +1,6 @@
 """The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer | serve.
 
-    skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-new-tokens 50 --json "Hello"
+    skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-tokens 50 --json "Hello"
     skipkv policies
 
 Every subcommand lives in the module that owns it (it exposes `register(subparsers)`); this file only
@@ -17,17 +17,24 @@ import sys
 
 from skipkv.errors import SkipKVError
 
-# Modules that contribute subcommands, in the order they appear in --help.
-COMMAND_MODULES = [
-    "skipkv.engine.cli",
-    "skipkv.models.cli",
-    "skipkv.eval.cli",
-    "skipkv.sweep",
-    "skipkv.report.cli",
-    "skipkv.bench.cli",
-    "skipkv.eval.steer_cli",
-    "skipkv.serve.cli",
-]
+# Every subcommand: the module that registers it (its `register(subparsers)` adds it with all its flags) and the
+# one-line help `skipkv --help` lists, in --help order. Only the module of the command being run is imported, so
+# `skipkv --help` and `skipkv --version` import neither torch nor transformers (tests/test_cli_ux.py checks
+# these lines against the modules' own).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("skipkv.engine.cli", "generate completions with a compressed KV cache"),
+    "policies": ("skipkv.engine.cli", "list KV-cache policies and their knobs"),
+    "models": ("skipkv.models.cli", "pull and list offline pretrained models"),
+    "eval": ("skipkv.eval.cli", "evaluate a policy on a benchmark (resumable)"),
+    "sweep": ("skipkv.sweep", "run an eval grid (dataset x policy x budget x seed) from a YAML file"),
+    "report": ("skipkv.report.cli", "tables and plots from run dirs (reads records; runs no model)"),
+    "show": ("skipkv.report.cli", "HTML pages of what the cache kept, per example (runs traced with --trace)"),
+    "bench": ("skipkv.bench.cli", "benchmarks (tables + JSON)"),
+    "steer": ("skipkv.eval.steer_cli", "steering vectors (SEAL / SkipKV)"),
+    "serve": ("skipkv.serve.cli",
+              "OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)"),
+}
+COMMAND_MODULES = list(dict.fromkeys(module for module, _ in COMMANDS.values()))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -41,16 +48,33 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()) or "unknown error"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with the flags of `command` only (None: every command's, importing every module)."""
+    from skipkv.version import __version__
+
     parser = OneLineParser(prog="skipkv", description="LLM generation with a compressed KV cache.")
+    parser.add_argument("--version", action="version", version=f"skipkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    full = [m for m in COMMAND_MODULES if command is None or COMMANDS.get(command, ("",))[0] == m]
+    for module in full:
+        importlib.import_module(module).register(sub)
+    registered = set(sub.choices)
+    for name, (_, help_text) in COMMANDS.items():
+        if name not in registered:  # listed in --help; its flags are built only when it runs
+            sub.add_parser(name, help=help_text)
+    # --help order: the table's, whichever module registered what
+    sub._choices_actions.sort(key=lambda a: list(COMMANDS).index(a.dest))
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv (the first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv) or "")
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

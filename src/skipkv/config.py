@@ -81,9 +81,22 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-@dataclass(frozen=True)
+# vLLM's SamplingParams names that skipkv does not implement: refused in one line, never ignored.
+UNSUPPORTED_SAMPLING = ("best_of", "presence_penalty", "frequency_penalty", "min_p", "logprobs", "prompt_logprobs",
+                        "min_tokens", "stop_token_ids", "bad_words", "logits_processors", "truncate_prompt_tokens",
+                        "guided_decoding", "include_stop_str_in_output", "skip_special_tokens",
+                        "spaces_between_special_tokens", "detokenize", "output_kind", "allowed_token_ids",
+                        "logit_bias", "structured_outputs")
+
+
+@dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How one request is decoded. temperature == 0 means greedy."""
+    """How one request is decoded, with vLLM's names. temperature == 0 means greedy.
+
+    `max_tokens` (vLLM's name) and `max_new_tokens` are the same field; `n` completions per prompt (sampled
+    ones draw from seeds `seed`, `seed + 1`, ...; greedy ones are identical); `repetition_penalty` as in
+    transformers and vLLM (a logit of a token already in the prompt or the output is divided by it when
+    positive, multiplied when negative). A vLLM parameter not implemented here is a SkipKVError."""
 
     max_new_tokens: int = knob(256, "tokens to generate at most", gt=0)
     temperature: float = knob(0.0, "0 = greedy", ge=0.0)
@@ -95,11 +108,41 @@ class SamplingParams:
     # s1-style budget forcing (engine/request.py `budget_force`): up to this many times, an end of thinking
     # (EOS, or the start of "</think>") is replaced by "Wait" and the request goes on.
     force_wait: int = knob(0, "budget forcing: times an end of thinking is replaced by 'Wait'", ge=0)
+    n: int = knob(1, "completions per prompt", gt=0)
+    repetition_penalty: float = knob(1.0, "divide the logits of tokens already seen (1 = off)", gt=0.0)
+
+    def __init__(self, **kwargs) -> None:
+        # Keywords only, each a field (or `max_tokens`); the defaults are the fields' own.
+        if "max_tokens" in kwargs:
+            given = kwargs.pop("max_tokens")
+            if "max_new_tokens" in kwargs and kwargs["max_new_tokens"] != given:
+                raise SkipKVError(f"sampling max_tokens ({given!r}) and max_new_tokens "
+                                  f"({kwargs['max_new_tokens']!r}) are the same parameter; give one")
+            kwargs["max_new_tokens"] = given
+        names = [f.name for f in fields(self)]
+        for key in kwargs:
+            if key in UNSUPPORTED_SAMPLING:
+                raise SkipKVError(f"sampling {key} is not implemented in skipkv (supported: max_tokens, "
+                                  f"{', '.join(n for n in names if n != 'max_new_tokens')})")
+            if key not in names:
+                raise SkipKVError(f"sampling has no parameter {key!r} (supported: max_tokens, {', '.join(names)})")
+        for f in fields(self):
+            object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
+        if isinstance(self.stop, str):  # vLLM takes one stop string or a list of them
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         check_fields(self, "sampling")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise SkipKVError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def max_tokens(self) -> int:
+        """vLLM's name for `max_new_tokens`."""
+        return self.max_new_tokens
 
     @property
     def greedy(self) -> bool:

@@ -32,7 +32,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     cfg = DecodeBenchConfig(model=args.model, policies=tuple(p.strip() for p in args.policies.split(sep) if p.strip()),
                             lengths=_ints(args.lengths), budget=args.budget, interval=args.interval,
                             window=args.window, batch_size=args.batch_size, dtype=args.dtype, span=args.span,
-                            prompt_tokens=args.prompt_tokens, out=args.out)
+                            prompt_tokens=args.prompt_tokens, out=args.out, progress=not args.no_progress)
     run_bench(cfg)
     return 0
 
@@ -131,6 +131,7 @@ def register(sub) -> None:
     d.add_argument("--prompt-tokens", type=int, default=0,
                    help="prompt length in tokens (0: a short question; longer: the question repeated)")
     d.add_argument("--out", help="write the JSON report here")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     d.set_defaults(func=cmd_decode)
     f = bsub.add_parser("fidelity", help="per-layer cosine of the attention output of queries the policies did not "
                         "score: compressed vs full cache")
@@ -163,7 +164,8 @@ def register(sub) -> None:
     t.add_argument("--batch-size", type=int, help="cap on running requests (default: --requests; memory decides)")
     t.add_argument("--batch-sweep", help="e.g. 1,2,4,8: tokens/s per batch size without a memory cap")
     t.add_argument("--hf-reference", action="store_true", help="also time transformers' generate (full cache)")
-    t.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
+    t.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int,
+                   help="override the workload's output length")
     t.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per request per step (0 = whole)")
     t.add_argument("--prefill-budget", type=int, default=0, help="prompt tokens per step at most (0 = no limit)")
     t.add_argument("--dtype", default="auto", help=DTYPE_HELP)

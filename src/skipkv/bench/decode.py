@@ -95,16 +95,19 @@ class _Lane:
 
 
 def bench_policies(bundle, policies: list, prompt: str | list[int], lengths: list[int], batch_size: int,
-                   span: int, labels: list[str] | None = None) -> list[PolicyRun]:
+                   span: int, labels: list[str] | None = None, progress: bool = False) -> list[PolicyRun]:
     """Decode every policy's requests in lockstep (one step of each in turn), so that load from elsewhere on a
-    shared machine hits all policies alike and their ratios stay meaningful."""
+    shared machine hits all policies alike and their ratios stay meaningful. `progress`: a bar of decode steps
+    on stderr."""
+    from tqdm import tqdm
+
     total = max(lengths)
     labels = labels or [type(p).__name__ for p in policies]
     lanes = [_Lane(bundle, n, p, prompt, total, batch_size) for n, p in zip(labels, policies)]
     with attention_backend(bundle.model), torch.inference_mode():
         for lane in lanes:
             lane.prefill()
-        for _ in range(total - 1):
+        for _ in tqdm(range(total - 1), desc="decode steps", unit="step", disable=not progress, dynamic_ncols=True):
             for lane in lanes:
                 lane.step()
     return [lane.finish(lengths, span) for lane in lanes]
@@ -138,6 +141,7 @@ class DecodeBenchConfig:
     span: int = knob(64, "steps before each length whose median is reported", gt=0)
     prompt_tokens: int = knob(0, "prompt length in tokens (0: the short built-in question)", ge=0)
     out: str | None = knob(None, "JSON report path", kind=str)
+    progress: bool = False  # a bar of decode steps on stderr (the CLI turns it on)
 
     def __post_init__(self) -> None:
         from skipkv.models import resolve_dtype
@@ -174,7 +178,8 @@ def run_bench(cfg: DecodeBenchConfig) -> dict:
     if cfg.prompt_tokens:
         ids = bundle.tokenizer(QUESTION + " ", add_special_tokens=False)["input_ids"]
         prompt = (ids * (cfg.prompt_tokens // len(ids) + 1))[:cfg.prompt_tokens]
-    runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span, list(cfg.policies))
+    runs = bench_policies(bundle, made, prompt, lengths, cfg.batch_size, cfg.span, list(cfg.policies),
+                          progress=cfg.progress)
     table = format_table(runs, lengths)
     print(table)
     report = {"model": cfg.model, "dtype": str(bundle.dtype).removeprefix("torch."), "batch_size": cfg.batch_size,

@@ -36,17 +36,28 @@ def make_requests(bundle, prompts, sampling, policy: Policy) -> list[Request]:
             for i, (p, sp) in enumerate(zip(prompts, sampling))]
 
 
-def generate(bundle, prompts: Sequence[str | Sequence[int]],
+def generate(bundle, prompts: str | Sequence[str | Sequence[int]],
              sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-             policy: Policy | None = None, engine: EngineConfig | None = None,
+             policy: Policy | str | None = None, engine: EngineConfig | None = None,
              on_result: Callable[[RequestResult], None] | None = None, progress: bool = False,
              steering: Callable[[object], ResidualAdd] | None = None, trace: bool = False) -> list[RequestResult]:
-    """Generate a completion for every prompt; results come back in prompt order.
+    """Generate a completion for every prompt (a string is one prompt); results come back in prompt order. Prompts
+    are sent as they are: `skipkv.LLM.chat` (or the CLI) applies a chat template. `policy`: a Policy or a
+    registered name (its default knobs).
 
     steering: a factory taking the model and returning a `ResidualAdd` hook (removed when generation ends).
     trace: record what each compression kept (`RequestResult.trace`, engine/trace.py; for `skipkv show`).
     Without an explicit `steering` factory, the policy's own `steering_hook` (if any) is used.
     """
+    if isinstance(prompts, str):  # one prompt, not a sequence of one-character prompts
+        prompts = [prompts]
+    if isinstance(sampling, str):
+        raise SkipKVError(f"generate() takes SamplingParams as its third argument, got the string {sampling!r}; "
+                          "a policy goes fourth (a Policy or a registered name)")
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    elif policy is not None and not isinstance(policy, Policy):
+        raise SkipKVError(f"policy must be a Policy or a registered name, got {type(policy).__name__}")
     policy = policy or make_policy("full")
     requests = make_requests(bundle, list(prompts), sampling or SamplingParams(), policy)
     if not requests:

@@ -1,6 +1,6 @@
 """`skipkv generate` and `skipkv policies`.
 
-    skipkv generate --model random:qwen2 --policy rkv --budget 64 --interval 16 --max-new-tokens 300 \
+    skipkv generate --model random:qwen2 --policy rkv --budget 64 --interval 16 --max-tokens 300 \
         --ignore-eos --json "first prompt" "second, longer prompt"
     skipkv generate --model qwen2.5-coder-0.5b-instruct --policy rkv --budget 128 "What is 17 * 23?"
     skipkv policies
@@ -62,18 +62,22 @@ def policy_from_args(args: argparse.Namespace):
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = _SAMPLING_DEFAULTS
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=d.max_new_tokens,
+                   help=f"tokens to generate at most (default {d.max_new_tokens})")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (benchmarks)")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="divide the logits of tokens already in the prompt or output (1 = off)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (benchmarks)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop),
+                          repetition_penalty=args.repetition_penalty)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -176,7 +180,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         r = _stream_one(bundle, prompts[0], sampling, policy, engine)
         print(_summary(r), file=sys.stderr)
         return 0
-    results = generate(bundle, prompts, sampling, policy, engine, on_result=emit, progress=False)
+    # Several prompts: a bar of finished requests on stderr (stdout keeps only the answers).
+    results = generate(bundle, prompts, sampling, policy, engine, on_result=emit,
+                       progress=len(prompts) > 1 and not args.no_progress)
     if not args.json:
         for r in results:
             print(_summary(r))
@@ -247,6 +253,7 @@ def register(sub) -> None:
     g.add_argument("--no-stream", action="store_true",
                    help="on a terminal, print the answer when it finishes instead of as tokens come")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr for several prompts")
     g.add_argument("--prompts", help="JSONL file: one string or {\"prompt\": ...} per line")
     g.add_argument("prompt", nargs="*")
     g.set_defaults(func=cmd_generate)

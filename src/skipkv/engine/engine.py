@@ -105,7 +105,7 @@ def check_fits(what: str, prompt_len: int, max_new_tokens: int, max_context: int
     """A prompt plus its generation must fit the model's context (the cache is sized for it up front)."""
     if prompt_len + max_new_tokens > max_context:
         raise SkipKVError(f"{what}: {prompt_len} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
-                          f"model's context of {max_context}; lower --max-new-tokens")
+                          f"model's context of {max_context}; lower max_tokens (--max-tokens)")
 
 
 def new_request(bundle, ids: list[int], sp: SamplingParams, policy: Policy, index: int, eos: frozenset[int],
@@ -114,6 +114,9 @@ def new_request(bundle, ids: list[int], sp: SamplingParams, policy: Policy, inde
     run under `policy`, or under its own lower `budget` (Policy.for_request) when one is given."""
     if not isinstance(sp, SamplingParams):
         raise SkipKVError(f"{what}: sampling must be SamplingParams, got {type(sp).__name__}")
+    if sp.n != 1:
+        raise SkipKVError(f"{what}: an engine request is one completion (sampling n={sp.n}); skipkv.LLM.generate "
+                          "expands n")
     if not ids:
         raise SkipKVError(f"{what} is empty")
     check_fits(what, len(ids), sp.max_new_tokens, bundle.max_context)

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with a per-request seeded generator.
+"""Token sampling: greedy, or temperature / top-k / top-p with a per-request seeded generator; a repetition
+penalty (transformers' and vLLM's rule, over the prompt and the output) before either.
 
 Each request draws from its own `torch.Generator`, so its tokens do not depend on which other requests
 share the batch (a batch equals its requests run alone, sampled or greedy).
@@ -38,11 +39,28 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def penalize_repetition(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """One row of logits [V] with every token in `seen` penalized: a positive logit divided by `penalty`, a
+    negative one multiplied (transformers' RepetitionPenaltyLogitsProcessor, vLLM's repetition_penalty)."""
+    idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+    vals = logits[idx]
+    return logits.index_put((idx,), torch.where(vals < 0, vals * penalty, vals / penalty))
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [B, V] (any float dtype) -> one token per request. Sampled rows are converted to fp32 first."""
+    """logits [B, V] (any float dtype) -> one token per request. Sampled or penalized rows are converted to fp32
+    first."""
     tokens = greedy_tokens(logits).tolist()
     for i, r in enumerate(requests):
-        if not r.sampling.greedy:
-            probs = torch.softmax(filter_logits(logits[i].float(), r.sampling), dim=-1)
+        sp = r.sampling
+        if sp.greedy and sp.repetition_penalty == 1.0:
+            continue
+        row = logits[i].float()
+        if sp.repetition_penalty != 1.0:
+            row = penalize_repetition(row, r.prompt_ids + r.output_ids, sp.repetition_penalty)
+        if sp.greedy:
+            tokens[i] = int(greedy_tokens(row))
+        else:
+            probs = torch.softmax(filter_logits(row, sp), dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator))
     return tokens

@@ -1,9 +1,9 @@
 """`skipkv eval`: run a policy on a benchmark, append graded records, write a summary; re-running resumes.
 
     skipkv eval --model random:qwen2 --dataset gsm8k --limit 6 --policy rkv --budget 32 --interval 8 \\
-        --max-new-tokens 40 --out runs/smoke --quiet
+        --max-tokens 40 --out runs/smoke --quiet
     skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset math500 --policy full --out runs/m-full
-    skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset math500 --policy rkv --budget-ratio 0.2 \\
+    skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset math500 --policy rkv --reference-share 0.2 \\
         --reference runs/m-full --out runs/m-rkv-0.2
     skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 2048,4096 --depths 0,0.5,1 \\
         --policy snapkv --budget-ratio 0.25 --out runs/niah-snapkv
@@ -45,6 +45,20 @@ def _defaults() -> dict[str, Any]:
     return out
 
 
+def _budget_ratio(args: argparse.Namespace) -> float | None:
+    """EvalConfig.budget_ratio: --reference-share (with --reference), or --budget-ratio (a share of the prompt;
+    with --reference, the older spelling of --reference-share)."""
+    from skipkv.errors import SkipKVError
+
+    if args.reference_share is None:
+        return args.budget_ratio
+    if args.budget_ratio is not None:
+        raise SkipKVError("give either --budget-ratio or --reference-share, not both")
+    if args.reference is None:
+        raise SkipKVError("--reference-share needs --reference DIR (a full-cache run of the same model and dataset)")
+    return args.reference_share
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from skipkv.eval.runner import SUMMARY_FILE, EvalConfig, run_eval
     from skipkv.hardware import set_threads
@@ -55,7 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data_options = {"source": args.source, "data": args.data, "lengths": args.lengths, "depths": args.depths,
                     "per_length": args.per_length, "seed": args.data_seed, "offset": args.offset}
     given = {
-        "budget": budget, "budget_ratio": args.budget_ratio, "reference": args.reference, "limit": args.limit,
+        "budget": budget, "budget_ratio": _budget_ratio(args), "reference": args.reference, "limit": args.limit,
         "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "force_wait": args.force_wait,
         "batch_size": args.batch_size,
@@ -99,8 +113,11 @@ def register(sub) -> None:
     # --policy and one flag per policy knob (--budget, --window, --sink, --interval, ...); --budget-ratio is
     # eval's own: it becomes each example's token budget (for LaProx, the mean per-layer budget)
     add_policy_args(p, skip=("budget_ratio",))
-    p.add_argument("--budget-ratio", type=float, help="budget as a fraction: of --reference's mean generation "
-                   "length, or (long-context sets without --reference) of each example's length in tokens")
+    p.add_argument("--budget-ratio", type=float, help="budget as a fraction of each example's prompt length in "
+                   "tokens (long-context sets), as LaProx's knob means everywhere else")
+    p.add_argument("--reference-share", type=float, metavar="F",
+                   help="budget = F x the mean generation length of --reference (a full-cache run); "
+                        "`--budget-ratio F --reference DIR` is the older spelling")
     p.add_argument("--reference", help="run dir of a full-cache run of the same model and dataset")
     p.add_argument("--limit", type=int, help="only the first N examples (default: all)")
     p.add_argument("--offset", type=int, help="skip the first N examples (--limit counts from there)")
@@ -110,7 +127,8 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, help=f"0 = off (default {d['top_k']})")
     p.add_argument("--seed", type=int, help=f"sampling seed (default {d['seed']}); each (example, sample) "
                    "derives its own from it")
-    p.add_argument("--max-new-tokens", type=int, help="generation cap (default: the dataset's)")
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int,
+                   help="generation cap (default: the dataset's)")
     p.add_argument("--force-wait", type=int, help="s1 budget forcing: replace an end of thinking (EOS or "
                    "</think>) by 'Wait' up to K times (default 0: off)")
     p.add_argument("--batch-size", type=int, help=f"default {d['batch_size']}")

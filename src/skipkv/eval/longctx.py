@@ -1,7 +1,7 @@
 """Long-context datasets generated from the essay haystack: niah, niah_multikey, variable_tracking, common_words.
 
     skipkv eval --model qwen2.5-coder-0.5b-instruct --dataset niah --lengths 2048,4096 --depths 0,0.5,1 \\
-        --policy snapkv --budget-ratio 0.2 --max-new-tokens 32 --out runs/niah
+        --policy snapkv --budget-ratio 0.2 --max-tokens 32 --out runs/niah
     make_niah(tokenizer, "chat", lengths=(1024,), depths=(0.5,), per_cell=1, seed=0)   # -> [Example]
 
 These follow the RULER recipes (Hsieh et al. 2024, NVIDIA/RULER): a needle "One of the special magic

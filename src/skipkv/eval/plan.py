@@ -101,7 +101,7 @@ class EvalConfig:
         if "budget" in self.policy_knobs and (self.budget is not None or self.budget_ratio is not None):
             raise SkipKVError("the budget is given twice (policy knobs and budget/budget_ratio)")
         if self.reference is not None and self.budget_ratio is None:
-            raise SkipKVError("--reference is only used with --budget-ratio")
+            raise SkipKVError("--reference is only used with --reference-share")
         from skipkv.hardware import resolve_auto
         from skipkv.models import check_device, resolve_dtype
 

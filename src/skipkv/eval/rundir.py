@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import time
@@ -214,15 +213,20 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 @contextlib.contextmanager
 def locked(out: Path) -> Iterator[None]:
     """Hold the run dir's lock; a run refused before it wrote config.json also removes the lock file."""
+    from filelock import FileLock, Timeout
+
     path = out / LOCK_FILE
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SkipKVError(f"another skipkv eval is writing to {out}") from None
-        # A refused run unlinks the lock file: a process that opened it just before holds a lock on a
-        # file no longer there, so the lock only counts if the path still names the file we locked.
-        if not path.exists() or os.stat(path).st_ino != os.fstat(lock.fileno()).st_ino:
+    # An flock on the run dir's .lock (filelock's Unix lock), so `sweep --status` finds its holder in /proc/locks.
+    lock = FileLock(path, timeout=0, is_singleton=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise SkipKVError(f"another skipkv eval is writing to {out}") from None
+    try:
+        # A refused run unlinks the lock file: a process that opened it just before holds a lock on a file no
+        # longer there, so the lock only counts if the path still names the file we locked.
+        fd = lock._context.lock_file_fd
+        if fd is None or not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:
             raise SkipKVError(f"another skipkv eval is writing to {out}")
         try:
             yield
@@ -231,6 +235,8 @@ def locked(out: Path) -> Iterator[None]:
                 with contextlib.suppress(OSError):
                     path.unlink()
             raise
+    finally:
+        lock.release()
 
 
 

@@ -1,7 +1,7 @@
 """The evaluation runner: dataset -> prompts -> engine (batched) -> graders -> records.jsonl + summary.json.
 
     skipkv eval --model random:qwen2 --dataset gsm8k --limit 6 --policy rkv --budget 32 --interval 8 \\
-        --max-new-tokens 40 --out runs/smoke --quiet
+        --max-tokens 40 --out runs/smoke --quiet
     run_eval(EvalConfig(model="random:qwen2", dataset="gsm8k", policy="rkv", out="runs/smoke",
                         policy_knobs={"interval": 8}, budget=32, limit=6, max_new_tokens=40, quiet=True))
 
@@ -13,6 +13,7 @@ example in eval/shared.py.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ from skipkv.outputs import made_dir
 
 # Re-exported: where callers have always imported them from.
 __all__ = ["SUMMARY_FILE", "TRACES_FILE", "EvalConfig", "run_eval", "sample_seed", "summarize"]
+
+# Sampling knobs added after the first runs, with their defaults: recorded in a run's identity only when set.
+_LATER_SAMPLING = {"force_wait": 0, "n": 1, "repetition_penalty": 1.0}
 
 
 def _environment() -> dict[str, Any]:
@@ -117,8 +121,9 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
         "prompt_style": cfg.prompt_style, "policy": policy_record, "budget_mode": mode,
         "budget_ratio": cfg.budget_ratio,
         "budget_reference": {"mean_generated_tokens": plan.ref_mean} if plan.ref_mean is not None else None,
+        # Knobs added after the first runs are absent at their defaults: older run dirs still resume.
         "sampling": {k: v for k, v in dataclasses.asdict(sampling).items()
-                     if k != "force_wait" or v},  # absent when off: older run dirs still resume
+                     if k not in _LATER_SAMPLING or v != _LATER_SAMPLING[k]},
         "grader": {"name": dataset.grader, **public_fields(plan.grader)},
         "engine": {k: v for k, v in dataclasses.asdict(EngineConfig()).items()
                    if k not in ("batch_size", "kv_memory", "prefill_budget", "share_prefix", "unpad_prefill")}
@@ -174,9 +179,27 @@ def run_eval(cfg: EvalConfig) -> Path:
     with made_dir(plan.out) as created, locked(plan.out):
         bundle = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         run = open_run(cfg, plan, bundle, created)
+        line = resume_line(run)
+        if line and not cfg.quiet:
+            print(line, file=sys.stderr, flush=True)
         _generate(cfg, bundle, run, generate)
         close_run(run)
     return plan.out
+
+
+def resume_line(run: Run) -> str | None:
+    """"resuming: N of M records done" when the run dir already holds records of this run, else None."""
+    total = len(run.examples) * run.cfg.samples
+    done = total - len(run.jobs)
+    return f"resuming: {done} of {total} records done" if done else None
+
+
+def advance(bar: Any, correct: int, finished: int, blind: bool) -> None:
+    """Count one finished example on the progress bar, the running accuracy set first, so that the refresh that
+    `update` makes already shows this example's verdict."""
+    if not blind:
+        bar.set_postfix(acc=f"{correct / finished:.3f}", refresh=False)
+    bar.update(1)
 
 
 def _generate(cfg: EvalConfig, bundle: Any, run: Run, generate: Any) -> None:
@@ -210,9 +233,7 @@ def _generate(cfg: EvalConfig, bundle: Any, run: Run, generate: Any) -> None:
                     record["trace"] = TRACES_FILE
                 store.append(record)
                 correct, finished_count = correct + verdict.correct, finished_count + 1
-                bar.update(1)
-                if not cfg.blind:
-                    bar.set_postfix(acc=f"{correct / finished_count:.3f}", refresh=False)
+                advance(bar, correct, finished_count, cfg.blind)
 
             generate(bundle, [j.prompt_ids for j in group], params, policy,
                      EngineConfig(batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk, kv_memory=cfg.kv_memory,

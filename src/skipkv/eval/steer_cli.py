@@ -1,7 +1,7 @@
 """`skipkv steer build`: build a steering vector file from the model's own generations.
 
     skipkv steer build --model qwen2.5-coder-0.5b-instruct --dataset math500 --offset 400 --limit 20 \\
-        --layers 8,12,16 --max-new-tokens 256 --out benchmarks/steering/qwen2.5-coder-0.5b-math500.safetensors
+        --layers 8,12,16 --max-tokens 256 --out benchmarks/steering/qwen2.5-coder-0.5b-math500.safetensors
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def register(sub) -> None:
                    help="first example index (e.g. 400: disjoint from math500's first 100)")
     b.add_argument("--layers", type=_layers, required=True, help="comma-separated decoder layers, e.g. 8,12,16")
     b.add_argument("--out", required=True, help="output .safetensors file")
-    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=256)
     b.add_argument("--prompt-style", "--prompt", default="chat", choices=("chat", "raw", "r1think"),
                    help="the eval prompt recipe (r1think: the reflective testbed, eval/prompts.py)")
     b.add_argument("--force-wait", type=int, default=0, help="s1 budget forcing, as in eval (default 0: off)")

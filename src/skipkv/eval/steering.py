@@ -1,7 +1,7 @@
 """Build a SEAL steering vector from the model's own full-cache chains (`skipkv steer build`).
 
     skipkv steer build --model qwen2.5-coder-0.5b-instruct --dataset math500 --offset 400 --limit 20 \\
-        --layers 8,12,16 --max-new-tokens 256 --out benchmarks/steering/qwen2.5-coder-0.5b-math500.safetensors
+        --layers 8,12,16 --max-tokens 256 --out benchmarks/steering/qwen2.5-coder-0.5b-math500.safetensors
 
 Recipe (SEAL, research/algorithms.md §4): generate each example greedily with the full cache (the eval prompt
 code, chat style by default), split the generation at "\\n\\n" into steps, classify each step by SEAL's
@@ -144,7 +144,7 @@ def build(model: str, dataset: str, layers: list[int], out: str, limit: int, off
     if not layers:
         raise SkipKVError("--layers needs at least one layer")
     if limit <= 0 or offset < 0 or max_new_tokens <= 0:
-        raise SkipKVError("--limit and --max-new-tokens must be positive and --offset >= 0")
+        raise SkipKVError("--limit and --max-tokens must be positive and --offset >= 0")
     prompts.check_style(prompt_style)
     ds = get_dataset(dataset)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, force_wait=force_wait)

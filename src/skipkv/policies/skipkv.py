@@ -1,6 +1,6 @@
 """SkipKV: sentence-level eviction + adaptive steering (Tian et al., MLSys 2026, arXiv 2512.07993).
 
-    skipkv generate --model random:qwen2 --policy skipkv --budget 64 --interval 16 --max-new-tokens 300 \\
+    skipkv generate --model random:qwen2 --policy skipkv --budget 64 --interval 16 --max-tokens 300 \\
         --ignore-eos --json "Hi."
     skipkv generate --model M --policy skipkv --budget 96 --steering v.safetensors "..."   # + steering
 

@@ -1,7 +1,7 @@
 """The retention viewer: one self-contained HTML page per example of a traced run (`skipkv eval --trace`).
 
     skipkv eval --model random:qwen2 --dataset gsm8k --limit 2 --policy rkv --budget 32 --interval 8 \\
-        --max-new-tokens 64 --out runs/v-rkv --trace --quiet
+        --max-tokens 64 --out runs/v-rkv --trace --quiet
     skipkv show runs/v-rkv                       # runs/v-rkv/show/<id>.html + index.html
     skipkv show runs/v-rkv runs/v-h2o --id gsm8k-test-0000 --out /tmp/pages   # two runs side by side
 
