@@ -2,7 +2,7 @@
 
     from skipkv import LLM, SamplingParams
     llm = LLM("random:qwen2", policy="rkv", budget=64, dtype="fp32")
-    for out in llm.chat([{"role": "user", "content": "What is 17 * 23?"}], SamplingParams(max_tokens=32)):
+    for out in llm.chat([{"role": "user", "content": "What is 17 + 25?"}], SamplingParams(max_tokens=32)):
         print(out.outputs[0].text, out.outputs[0].peak_kv_bytes)
 
 `generate` sends prompts as they are (as vLLM does); `chat` applies the tokenizer's chat template. Outputs
