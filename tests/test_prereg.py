@@ -7,7 +7,7 @@ exact McNemar p, Holm over the whole family, and (issue 18) the paired length di
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import random
 from pathlib import Path
@@ -20,11 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(name: str):
-    """A benchmarks/ script as a module (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The analysis module behind benchmarks/<name>.py (the analyses live in skipkv.report)."""
+    return importlib.import_module({"prereg": "skipkv.report.prereg_laprox",
+                                    "prereg_skipkv": "skipkv.report.prereg_skipkv"}[name])
 
 
 @pytest.fixture(scope="module")
