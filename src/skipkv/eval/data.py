@@ -9,7 +9,6 @@ both import this module and register their classes here, so neither imports the 
 from __future__ import annotations
 
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -104,13 +103,8 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for num, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise SkipKVError(f"{path}:{num} is not valid JSON") from None
-    return rows
+def read_jsonl(path: Path, schema: str = "data") -> list[dict]:
+    """The rows of a JSON-lines data file (skipkv.files: bounded, each row checked by `schema`)."""
+    from skipkv.files import read_jsonl as read
+
+    return [row for _num, row in read(path, "data", schema)]

@@ -53,7 +53,9 @@ def load_essays(path: str | None = None) -> list[str]:
         file = Path(path)
         if not file.is_file():
             raise SkipKVError(f"--data haystack file not found: {file}")
-        return [file.read_text(encoding="utf-8")]
+        from skipkv.files import read_text
+
+        return [read_text(file, "haystack")]
     text = packaged(HAYSTACK).read_text(encoding="utf-8")
     return [text[row["char_start"]:row["char_end"]] for row in read_jsonl(packaged(HAYSTACK_INDEX))]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,19 +124,22 @@ def sample_seed(seed: int, example_id: str, sample: int) -> int:
 
 def _read_reference(cfg: EvalConfig) -> float:
     """Mean generated tokens of the full-cache reference run, checked to be the same model and dataset."""
+    from skipkv.files import read_json
     from skipkv.policies import POLICIES
 
     ref = Path(str(cfg.reference))
     try:
-        summary = json.loads((ref / SUMMARY_FILE).read_text())
-        config = json.loads((ref / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise SkipKVError(f"--reference {ref}: cannot read its summary.json/config.json ({exc})") from None
-    policy = str(config.get("policy", {}).get("name", "?"))
+        summary = read_json(ref / SUMMARY_FILE, "summary")
+        config = read_json(ref / CONFIG_FILE, "config")
+    except SkipKVError as exc:
+        raise SkipKVError(f"--reference: {exc}") from None
+    raw_policy = config.get("policy")
+    policy = str(raw_policy.get("name", "?") if isinstance(raw_policy, dict) else raw_policy)
     if policy not in POLICIES or POLICIES.get(policy).compresses:
         raise SkipKVError(f"--reference {ref} is a {policy!r} run; a budget ratio refers to a full-cache run")
     for key, mine in (("model", cfg.model), ("dataset", cfg.dataset)):
-        theirs = config.get(key, {}).get("name") if key == "dataset" else config.get(key)
+        theirs = config.get(key)
+        theirs = theirs.get("name") if isinstance(theirs, dict) else theirs
         if theirs != mine:
             raise SkipKVError(f"--reference {ref} ran {key} {theirs!r}, this run uses {mine!r}")
     mean = summary.get("mean_generated_tokens")
