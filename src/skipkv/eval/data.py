@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
+from skipkv.config import COUNT_WHY, MAX_COUNT, MAX_SEED, SEED_WHY, bounded
 from skipkv.errors import SkipKVError
 from skipkv.registry import Registry
 
@@ -60,9 +61,8 @@ def data_request(options: Mapping[str, Any], tokenizer: Any = None, prompt_style
     if unknown:
         raise SkipKVError(f"unknown dataset option {unknown[0]!r}; known: {', '.join(OPTION_KEYS)}")
     values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
-    offset = values.get("offset", 0)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise SkipKVError(f"dataset option offset must be an integer >= 0, got {offset!r}")
+    bounded(values.get("offset", 0), "dataset option offset", 0, MAX_COUNT, COUNT_WHY)
+    bounded(values.get("seed", 0), "dataset option seed", 0, MAX_SEED, SEED_WHY)
     return DataRequest(**values, tokenizer=tokenizer, prompt_style=prompt_style)
 
 

@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
+from skipkv.config import bounded, short
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
 from skipkv.eval.data import (
@@ -45,6 +46,8 @@ HAYSTACK = "niah_paul_graham_essays.txt"
 HAYSTACK_INDEX = "niah_paul_graham_essays_index.jsonl"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_LENGTH = 32768
+MAX_PER_LENGTH = 10_000
+MAX_EXAMPLES = 100_000
 
 
 def load_essays(path: str | None = None) -> list[str]:
@@ -306,15 +309,18 @@ class LongContextDataset(Dataset):
         lengths = request.lengths or DEFAULT_LENGTHS
         bad = [n for n in lengths if not 0 < n <= MAX_LENGTH]
         if bad:
-            raise SkipKVError(f"lengths must be in 1..{MAX_LENGTH} tokens, got {bad}")
+            raise SkipKVError(f"lengths must be in 1..{MAX_LENGTH} tokens, got {short(bad)}")
         if request.depths and not self.default_depths:
             raise SkipKVError(f"--depths applies to niah only; {self.name} places its items at random depths")
         depths = request.depths or self.default_depths
         if any(not 0.0 <= d <= 1.0 for d in depths):
             raise SkipKVError(f"depths must be fractions in [0, 1], got {list(depths)}")
         per_length = request.per_length if request.per_length is not None else self.default_per_length
-        if per_length <= 0:
-            raise SkipKVError(f"per-length must be positive, got {per_length}")
+        bounded(per_length, "per-length", 1, MAX_PER_LENGTH, "every example is generated and held in memory")
+        cells = len(set(lengths)) * max(1, len(set(depths))) * per_length
+        if cells > MAX_EXAMPLES:
+            raise SkipKVError(f"lengths x depths x per-length is {cells} examples, at most {MAX_EXAMPLES} (every "
+                              "example is generated and held in memory)")
         if request.tokenizer is None:
             raise SkipKVError(f"{self.name} needs the model's tokenizer (lengths are in its tokens)")
         return replace(request, lengths=tuple(lengths), depths=tuple(depths), per_length=per_length)

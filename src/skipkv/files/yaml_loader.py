@@ -62,10 +62,16 @@ class _StrictLoader(yaml.SafeLoader):
         return base(self, node)
 
 
-_StrictLoader.add_constructor("tag:yaml.org,2002:int",
-                              lambda ld, n: ld._number(n, yaml.SafeLoader.construct_yaml_int))
-_StrictLoader.add_constructor("tag:yaml.org,2002:float",
-                              lambda ld, n: ld._number(n, yaml.SafeLoader.construct_yaml_float))
+def _int(loader: _StrictLoader, node: Any) -> Any:
+    return loader._number(node, yaml.SafeLoader.construct_yaml_int)
+
+
+def _float(loader: _StrictLoader, node: Any) -> Any:
+    return loader._number(node, yaml.SafeLoader.construct_yaml_float)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _int)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _float)
 
 
 def load_yaml(text: str, where: str, limits: Limits) -> Any:
