@@ -178,8 +178,8 @@ def validate(kind: str, value: Any, where: str) -> Any:
         return value
     if kind in ("sweep", "data") or model is not None:
         if not isinstance(value, dict):
-            raise FileError(f"{where}: expected a JSON object" + (" or a string" if kind == "prompts" else "")
-                            + f", got {type(value).__name__}")
+            shape = "a mapping" if kind == "sweep" else "a JSON object" + (" or a string" if kind == "prompts" else "")
+            raise FileError(f"{where}: expected {shape}, got {type(value).__name__}")
     if model is not None:
         try:
             model.model_validate(value)
