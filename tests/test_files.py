@@ -210,3 +210,94 @@ def test_run_files_of_the_wrong_shape_are_one_line(tmp_path: Path) -> None:
         with pytest.raises(SkipKVError) as info:
             check_or_write_config(run, {"model": "m"})  # a resume reads it too
         one_line(info.value, run / "config.json")
+
+
+# ------------------------------------------------------------------------------------------ fuzz
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+EXAMPLES = int(__import__("os").environ.get("SKIPKV_FUZZ_EXAMPLES", "0"))
+_SETTINGS = settings(max_examples=EXAMPLES or 30, deadline=None, derandomize=not EXAMPLES,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=12),
+                     st.sampled_from(["id", "sample", "prompt", "problem", "answer", "trace", "model", "policy"]))
+_VALUES = st.recursive(_SCALARS, lambda kids: st.one_of(
+    st.lists(kids, max_size=4), st.dictionaries(st.sampled_from(["id", "sample", "prompt", "text", "problem",
+                                                                "answer", "trace", "name", "x"]), kids, max_size=5)),
+    max_leaves=12)
+# Raw lines: JSON of random values, and the hostile shapes (deep, long numbers, escapes, garbage bytes).
+_LINES = st.one_of(
+    _VALUES.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=40),
+    st.integers(1, 3000).map(lambda n: b"[" * n + b"]" * n),
+    st.integers(1, 3000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+    st.integers(90, 6000).map(lambda n: b'{"id": "a", "sample": ' + b"7" * n + b"}"),
+    st.sampled_from([b'"\\ud800"', b'{"id": "\\udfff", "sample": 0}', b'{"id": "a", "id": "b"}', b"NaN",
+                     b'{"id": "a", "sample": 1e999}', b"\xef\xbb\xbf{}", b'"\xe2\x80\xa8"', b"{" * 70]),
+)
+_FILES = st.lists(_LINES, max_size=4).map(lambda lines: b"\n".join(lines))
+
+
+def _readers(tmp: Path) -> list:
+    from skipkv.files import read_json, read_yaml
+
+    return [_prompts, _data, _code_data, _store, _report, read_traces, lambda p: read_json(p, "config"),
+            lambda p: read_json(p, "summary"), lambda p: read_yaml(p, "sweep"), _sweep]
+
+
+@_SETTINGS
+@given(content=_FILES)
+def test_fuzz_every_file_reader(content: bytes, tmp_path: Path) -> None:
+    """Any bytes, through every reader: a value or a one-line SkipKVError, never another exception."""
+    path = tmp_path / "f"
+    for reader in _readers(tmp_path):
+        path.write_bytes(content)
+        try:
+            reader(path)
+        except SkipKVError as exc:
+            one_line(exc)
+
+
+_YAML = st.one_of(
+    st.text(max_size=60),
+    _VALUES.map(lambda v: json.dumps(v)),  # JSON is YAML
+    st.lists(st.sampled_from(["a: 1", "a: 2", "b: &x [1]", "c: *x", "<<: {a: 1}", "- 1", "d: !!python/name:os.system",
+                              "e: [[[[", "f: " + "9" * 200, "g: {a: 1, a: 2}", "  h: 1", "i: '\\ud800'",
+                              'j: "\\ud800"', "k: !!binary aGVsbG8=", "l: 2001-12-14", "? [1]\n: 2"]),
+             max_size=5).map("\n".join),
+)
+
+
+@_SETTINGS
+@given(text=_YAML)
+def test_fuzz_yaml_reader(text: str, tmp_path: Path) -> None:
+    from skipkv.files import read_yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        read_yaml(path, "sweep")
+        _sweep(path)
+    except SkipKVError as exc:
+        one_line(exc)
+
+
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30)
+
+
+@_SETTINGS
+@given(records=st.lists(st.fixed_dictionaries({"id": _TEXT, "sample": st.integers(0, 2**40), "prompt": _TEXT,
+                                               "output": _TEXT, "n": _VALUES}), max_size=4, unique_by=lambda r:
+                        (r["id"], r["sample"])))
+def test_fuzz_records_round_trip(records: list[dict], tmp_path: Path) -> None:
+    """Whatever text a record holds (any line separator included), RecordStore and report read back what was
+    written, and a reopened store appends after it."""
+    path = tmp_path / "records.jsonl"
+    path.unlink(missing_ok=True)
+    store = RecordStore(path)
+    for r in records:
+        store.append(r)
+    assert RecordStore(path).records() == records
+    assert read_records(path)[0] == records

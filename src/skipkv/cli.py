@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 PATH_ARGS = frozenset({"out", "prompts", "data", "reference", "dirs", "config", "steering", "plot", "model"})
 
 
+_FLAG_NAMES = {"prompt": "PROMPT", "example_id": "--id"}  # dests whose flag is not --<dest>
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Text is checked once, here at the edge: every text argument (a prompt, a stop string, a name, a key) must be
     encodable Unicode, or the command stops with one line, before a tokenizer or a server sees it."""
@@ -64,7 +67,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             continue
         for i, v in enumerate(value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(v, str):
-                flag = "PROMPT" if name == "prompt" else f"--{name.removeprefix('knob_').replace('_', '-')}"
+                flag = _FLAG_NAMES.get(name) or f"--{name.removeprefix('knob_').replace('_', '-')}"
                 check_text(v, f"{flag}" + (f" {i}" if isinstance(value, (list, tuple)) else ""))
 
 

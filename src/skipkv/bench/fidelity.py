@@ -229,7 +229,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     from skipkv.outputs import check_file, write_atomic
     from skipkv.policies import parse_policy_spec
 
-    if out:
+    if out is not None:
         check_file(out, "--out")  # before the model loads
         check_file(Path(out).with_suffix(".png"), "--out")
     if not 0 < budget_ratio <= 1:
@@ -281,7 +281,7 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
               "dtype": str(bundle.dtype).removeprefix("torch."), "examples_per_length": examples,
               "machine": environment(bundle.dtype_choice),
               "results": results, "table": table}
-    if out:
+    if out is not None:
         path = check_file(out, "--out")  # again: the place may have changed while the benchmark ran
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(report, indent=2))

@@ -137,7 +137,7 @@ def run_bench(url: str, concurrency: list[int], requests: int, dataset: str, max
               f"{r['peak_kv_held_bytes'] / 2**20:>11.1f} {r['errors']:>6}")
     report = {"url": url, "model": model, "dataset": dataset, "requests": requests, "max_tokens": max_tokens,
               "ignore_eos": ignore_eos, "server_metrics_end": _scrape(url), "results": rows}
-    if out:
+    if out is not None:
         from skipkv.outputs import check_file, write_atomic
 
         path = check_file(out, "--out")

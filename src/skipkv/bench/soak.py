@@ -298,7 +298,7 @@ def run_soak(url: str, minutes: float, api_key: str | None, out: str | None, see
     rep = asyncio.run(Soak(url, model, api_key or "", minutes * 60, seed).run())
     rep.update(url=url, model=model)
     print_table(url, model, rep)
-    if out:
+    if out is not None:
         from skipkv.outputs import check_file, write_atomic
 
         path = check_file(out, "--out")

@@ -79,6 +79,9 @@ class Dataset(ABC):
     def load(self, request: DataRequest) -> list[Example]:
         """All examples, in a stable order (a --limit takes a prefix of it)."""
 
+    def check(self, request: DataRequest) -> None:  # noqa: B027 - optional: most sets check in load
+        """Refuse bad options (and a bad data file) before a model loads; `request` has no tokenizer yet."""
+
     @abstractmethod
     def identity(self, request: DataRequest) -> dict[str, Any]:
         """What fixes the data, for config.json: source file and its sha256, or generator parameters."""

@@ -98,6 +98,10 @@ class FileDataset(Dataset):
     def load(self, request: DataRequest) -> list[Example]:
         return [self.example(r) for r in self.rows(request)]
 
+    def check(self, request: DataRequest) -> None:
+        if request.source == "local":
+            self.rows(request)  # a --data file is read (bounded, schema-checked) before the model loads
+
     def identity(self, request: DataRequest) -> dict[str, Any]:
         if request.source == "hub":
             # No revision pinning through `datasets` here: record what was asked for.

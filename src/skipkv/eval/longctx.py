@@ -303,7 +303,10 @@ class LongContextDataset(Dataset):
     default_depths: ClassVar[tuple[float, ...]] = ()
     default_per_length: ClassVar[int] = 10
 
-    def resolve(self, request: DataRequest) -> DataRequest:
+    def check(self, request: DataRequest) -> None:
+        self.resolve(request, need_tokenizer=False)
+
+    def resolve(self, request: DataRequest, need_tokenizer: bool = True) -> DataRequest:
         if request.source != "local":
             raise SkipKVError(f"{self.name} is generated locally from the haystack; --source hub does not apply")
         lengths = request.lengths or DEFAULT_LENGTHS
@@ -321,7 +324,7 @@ class LongContextDataset(Dataset):
         if cells > MAX_EXAMPLES:
             raise SkipKVError(f"lengths x depths x per-length is {cells} examples, at most {MAX_EXAMPLES} (every "
                               "example is generated and held in memory)")
-        if request.tokenizer is None:
+        if need_tokenizer and request.tokenizer is None:
             raise SkipKVError(f"{self.name} needs the model's tokenizer (lengths are in its tokens)")
         return replace(request, lengths=tuple(lengths), depths=tuple(depths), per_length=per_length)
 

@@ -239,7 +239,10 @@ class Plan:
 
 
 def make_plan(cfg: EvalConfig) -> Plan:
+    from skipkv.eval.data import data_request
+
     dataset = get_dataset(cfg.dataset)
+    dataset.check(data_request(cfg.dataset_options, None, cfg.prompt_style))  # options and --data, before the model
     grader = make_grader(cfg, dataset)
     mode, fixed_budget, ref_mean = budget_plan(cfg, dataset)
     policy = run_policy(cfg, fixed_budget)  # validates the knobs before a model is loaded

@@ -76,9 +76,10 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:float", _float)
 
 def load_yaml(text: str, where: str, limits: Limits) -> Any:
     """One YAML document from `text` (`where` names it in errors)."""
-    loader = _StrictLoader(text)
-    loader.where, loader.limits = where, limits
+    loader = None
     try:
+        loader = _StrictLoader(text)  # the reader refuses unprintable characters here already
+        loader.where, loader.limits = where, limits
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
         raise _error(where, exc.problem_mark, f"not valid YAML ({exc.problem})") from None
@@ -87,4 +88,5 @@ def load_yaml(text: str, where: str, limits: Limits) -> Any:
     except RecursionError:  # a backstop: compose_node bounds the nesting well below the interpreter's limit
         raise _error(where, None, "nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
