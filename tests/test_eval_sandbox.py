@@ -370,7 +370,7 @@ def test_memory_and_processes_are_bounded_for_the_whole_run() -> None:
     The same program under a larger total runs to the end."""
     program = ("import os, time\npids = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
                "        x = bytearray(64 << 20)\n        for j in range(0, len(x), 4096):\n            x[j] = 1\n"
-               "        time.sleep(2)\n        os._exit(0)\n    pids.append(pid)\n"
+               "        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\n"
                "for p in pids:\n    os.waitpid(p, 0)\nprint('all done')\n")
     tight = Sandbox(SandboxLimits(timeout_s=8.0, memory_bytes=512 << 20, total_memory_bytes=192 << 20))
     try:

@@ -81,10 +81,13 @@ class FileDataset(Dataset):
             if request.data:
                 raise SkipKVError("give either --data PATH or --source hub, not both")
             from skipkv.files.schemas import validate
+            from skipkv.files.text import walk_text
 
             where = f"hub {self.hub[0]}"
             rows = [validate(self.schema, self.from_hub(r, i), f"{where} row {i}")
                     for i, r in enumerate(hub_rows(*self.hub))]
+            for i, row in enumerate(rows):
+                walk_text(row, f"{where} row {i}")  # text no tokenizer can encode stops here, not in the tokenizer
         else:
             path = self._file(request)
             rows, where = read_jsonl(path, self.schema), str(path)
