@@ -114,7 +114,7 @@ HOSTILE = [
     (_sweep, "s.yaml", "x: " + "[" * 100_000 + "\n", "nested deeper"),
     (_sweep, "s.yaml", 'model: "a\\udcffb"\n', "lone surrogate"),
     (_sweep, "s.yaml", "- a\n- b\n", "mapping"),
-    (_sweep, "s.yaml", "a: " + "b" * (5 << 20) + "\n", "larger than 4 MiB"),
+    (_sweep, "s.yaml", "a: " + "b" * (5 << 20) + "\n", "larger than 1 MiB"),
 ]
 
 
@@ -127,6 +127,24 @@ def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path: Path, reade
     with pytest.raises(SkipKVError) as info:
         reader(path)
     assert words in one_line(info.value, path), str(info.value)
+
+
+def test_line_counts_are_bounded(tmp_path: Path, monkeypatch) -> None:
+    """A JSON-lines file of many tiny lines is refused before its lines become objects (limit lowered here)."""
+    from skipkv.files import LIMITS
+
+    for kind in ("prompts", "data", "records", "traces"):
+        monkeypatch.setitem(LIMITS, kind, __import__("dataclasses").replace(LIMITS[kind], lines=3))
+    for reader, name, row in ((_prompts, "p.jsonl", {"prompt": "a"}), (_data, "d.jsonl", MATH),
+                              (_store, "records.jsonl", REC), (_report, "records.jsonl", REC),
+                              (read_traces, "traces.jsonl", {"id": "a", "sample": 0, "trace": tiny_trace(1)})):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({**row, "id": f"a{i}"}) + "\n" for i in range(3)))
+        reader(path)  # at the limit: read
+        path.write_text("".join(json.dumps({**row, "id": f"a{i}"}) + "\n" for i in range(4)))
+        with pytest.raises(SkipKVError, match="more than 3 lines") as info:
+            reader(path)
+        one_line(info.value, path)
 
 
 def test_non_utf8_and_unreadable_files(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from skipkv.errors import SkipKVError
-from skipkv.files import parse_json, read_bytes, split_lines
+from skipkv.files import count_lines, parse_json, read_bytes, split_lines
 
 
 def _key(record: dict[str, Any]) -> tuple[str, int]:
@@ -54,6 +54,7 @@ class RecordStore:
         if not self.path.exists():
             return
         data = read_bytes(self.path, "records")
+        count_lines(data, self.path, "records")
         good_end = 0  # byte offset just past the last complete, valid line
         for num, pos, line in split_lines(data):
             try:
@@ -155,6 +156,7 @@ def read_traces(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     Every line is checked by the "traces" schema (skipkv.files.schemas.TraceLine)."""
     out: dict[tuple[str, int], dict[str, Any]] = {}
     data = read_bytes(Path(path), "traces")
+    count_lines(data, path, "traces")
     for num, pos, line in split_lines(data):
         try:
             row = _parse(line, Path(path), num, "traces")

@@ -29,7 +29,7 @@ from skipkv.files.text import check_text, walk_text
 from skipkv.files.yaml_loader import load_yaml
 
 __all__ = ["LIMITS", "FileError", "Limits", "check_text", "parse_json", "parse_json_line", "read_bytes",
-           "read_json", "read_jsonl", "read_text", "read_yaml", "split_lines"]
+           "count_lines", "read_json", "read_jsonl", "read_text", "read_yaml", "split_lines"]
 
 def read_bytes(path: Path, kind: str) -> bytes:
     """The whole file, refused past its kind's size limit before it is read."""
@@ -107,6 +107,13 @@ def parse_json(raw: bytes | str, where: str, kind: str) -> Any:
     return value
 
 
+def count_lines(data: bytes, path: Path | str, kind: str) -> None:
+    """Refuse a JSON-lines file of more lines than its kind allows, before any line is parsed."""
+    lim = _limits(kind)
+    if data.count(b"\n") > lim.lines and sum(1 for _ in split_lines(data)) > lim.lines:
+        raise FileError(f"{path}: more than {lim.lines} lines, the limit for {kind} files")
+
+
 def split_lines(data: bytes) -> Iterator[tuple[int, int, bytes]]:
     """(line number from 1, byte offset, line without its "\\n") for every non-blank line; split at "\\n" only."""
     pos, num = 0, 0
@@ -130,6 +137,7 @@ def read_jsonl(path: Path, kind: str, schema: str | None = None) -> list[tuple[i
     """[(line number, value)] of a JSON-lines file under `kind`'s limits, every line checked by `schema`
     (default: the kind's own)."""
     data = read_bytes(path, kind)
+    count_lines(data, path, kind)
     return [(num, parse_json_line(line, path, num, kind, schema)) for num, _, line in split_lines(data)]
 
 

@@ -118,10 +118,11 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     notes: list[str] = []
     if not path.exists():
         return [], [f"{path.parent}: no {RECORDS_FILE}"]
-    from skipkv.files import parse_json, read_bytes, split_lines
+    from skipkv.files import count_lines, parse_json, read_bytes, split_lines
     from skipkv.files.schemas import validate
 
     data = read_bytes(path, "records")
+    count_lines(data, path, "records")
     by_key: dict[tuple[str, Any], dict[str, Any]] = {}
     for num, pos, line in split_lines(data):
         where = f"{path}:{num}"
