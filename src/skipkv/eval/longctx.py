@@ -52,14 +52,14 @@ MAX_EXAMPLES = 100_000
 
 def load_essays(path: str | None = None) -> list[str]:
     """The packaged essays (split by their index), or one document read from `path`."""
+    from skipkv.files import read_text
+
     if path:
         file = Path(path)
         if not file.is_file():
             raise SkipKVError(f"--data haystack file not found: {file}")
-        from skipkv.files import read_text
-
         return [read_text(file, "haystack")]
-    text = packaged(HAYSTACK).read_text(encoding="utf-8")
+    text = read_text(packaged(HAYSTACK), "haystack")
     return [text[row["char_start"]:row["char_end"]] for row in read_jsonl(packaged(HAYSTACK_INDEX))]
 
 
