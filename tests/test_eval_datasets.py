@@ -77,7 +77,7 @@ def test_data_file_and_its_errors(tmp_path: Path) -> None:
         get_dataset("gsm8k").load(DataRequest(data=str(dup)))
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"id": "a", "problem": "x"}) + "\n")
-    with pytest.raises(SkipKVError, match="lacks field"):
+    with pytest.raises(SkipKVError, match=r"missing.jsonl:1: answer: Field required"):
         get_dataset("aime24").load(DataRequest(data=str(missing)))
     broken = tmp_path / "broken.jsonl"
     broken.write_text("{not json\n")

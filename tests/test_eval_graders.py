@@ -143,7 +143,7 @@ def test_extract_code_and_program() -> None:
     assert extract_code("    return a + b\n", "add") == "    return a + b\n"
     prompt = "import os\n\n\ndef add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n"
     test = "def check(c):\n    assert c(1, 2) == 3\n"
-    program = build_program(prompt, "def add(a, b):\n    return a + b\n", test, "add")
-    assert program.count("def add") == 1 and program.startswith("import os")
-    program = build_program(prompt, "    return a + b\n", "def check(c):\n    assert c(1, 2) == 3\n", "add")
-    assert program.startswith(prompt) and program.rstrip().endswith("check(add)")
+    program, call = build_program(prompt, "def add(a, b):\n    return a + b\n", test, "add")
+    assert program.count("def add") == 1 and program.startswith("import os") and call.strip() == "check(add)"
+    program, call = build_program(prompt, "    return a + b\n", "def check(c):\n    assert c(1, 2) == 3\n", "add")
+    assert program.startswith(prompt) and "check(add)" not in program and call.strip() == "check(add)"

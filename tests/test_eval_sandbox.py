@@ -328,3 +328,59 @@ def test_no_silent_downgrade(monkeypatch) -> None:
     for bad in ("auto", "basic", "none"):
         with pytest.raises(SkipKVError, match="isolation"):
             CodeGrader(isolation=bad)
+
+
+# A wrong body followed by code that ends the process with status 0 before (or however) the asserts ran. Each
+# would be graded `correct` if exit status 0 meant a pass.
+_WRONG = "    return 0\n"
+_EXITS = {
+    "os._exit": _WRONG + "import os\nos._exit(0)\n",
+    "exit()": _WRONG + "exit()\n",
+    "quit()": _WRONG + "quit()\n",
+    "sys.exit in the body": "    import sys\n    sys.exit(0)\n",
+    "raise SystemExit(0)": _WRONG + "raise SystemExit(0)\n",
+    "atexit hook": _WRONG + "import atexit, os\natexit.register(lambda: os._exit(0))\n",
+    "sys.excepthook": _WRONG + "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\n",
+    "exec /bin/true": _WRONG + "import os\nos.execv('/bin/true', ['true'])\n",
+    "thread exits": _WRONG + "import os, threading\nthreading.Thread(target=os._exit, args=(0,)).start()\n"
+                    "import time\ntime.sleep(1)\n",
+    "prints a pass": _WRONG + "print('passed')\nimport os\nos._exit(0)\n",
+    "closes stdout": _WRONG + "import os, sys\nos.close(1)\nos._exit(0)\n",
+    "SystemExit from check": "    raise SystemExit(0)\n",
+}
+
+
+@pytest.mark.parametrize("level", ["namespaces", "unsafe-basic"])
+def test_exiting_early_is_never_a_pass(level: str) -> None:
+    grader = CodeGrader(timeout_s=5.0, isolation=level)
+    try:
+        grader.sandbox()
+    except SkipKVError as exc:
+        pytest.skip(str(exc))
+    prompt = "def add(a, b):\n    \"\"\"Add.\"\"\"\n"
+    test = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\n"
+    example = Example("t", "code", {"prompt": prompt}, test, {"entry_point": "add"})
+    assert grader.grade("    return a + b\n", example).correct  # the harness does pass a right answer
+    passed = [name for name, completion in _EXITS.items() if grader.grade(completion, example).correct]
+    assert passed == [], f"graded correct although the tests failed or never ran: {passed}"
+
+
+def test_memory_and_processes_are_bounded_for_the_whole_run() -> None:
+    """Six children, each far under the per-process address-space limit, together over the run's total: killed.
+    The same program under a larger total runs to the end."""
+    program = ("import os, time\npids = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+               "        x = bytearray(64 << 20)\n        for j in range(0, len(x), 4096):\n            x[j] = 1\n"
+               "        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\n"
+               "for p in pids:\n    os.waitpid(p, 0)\nprint('all done')\n")
+    tight = Sandbox(SandboxLimits(timeout_s=8.0, memory_bytes=512 << 20, total_memory_bytes=192 << 20))
+    try:
+        assert tight.isolation == "namespaces"
+    except SkipKVError as exc:
+        pytest.skip(str(exc))
+    r = tight.run(program)
+    assert r.status == "failed" and "together held" in r.stderr and "all done" not in r.stdout, r
+    roomy = Sandbox(SandboxLimits(timeout_s=8.0, memory_bytes=512 << 20, total_memory_bytes=1 << 30))
+    assert roomy.run(program).stdout.strip() == "all done"
+    few = Sandbox(SandboxLimits(timeout_s=8.0, processes=3))
+    r = few.run(program.replace("64 << 20", "1 << 20"))
+    assert r.status == "failed" and "all done" not in r.stdout, r

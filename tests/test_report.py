@@ -91,7 +91,7 @@ def test_torn_last_line_is_skipped_with_a_note(tmp_path):
 
 def test_corrupt_middle_line_raises(tmp_path):
     run = write_run(tmp_path / "r", [record(0, True, 10, 5)], tail="garbage\n" + json.dumps(record(1, True, 1, 1)))
-    with pytest.raises(SkipKVError, match=r"records.jsonl:2: not a JSON record"):
+    with pytest.raises(SkipKVError, match=r"records.jsonl:2: not valid JSON"):
         read_records(run / "records.jsonl")
 
 

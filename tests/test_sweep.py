@@ -386,7 +386,7 @@ def test_cell_status_reads_without_touching(tmp_path):
     assert status("nolimit", None).state == "partial"
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "records.jsonl").write_text('{"id": "a", "sample": 0}\nnot json\n{"id": "b", "sample": 0}\n')
-    assert status("bad").state.startswith("damaged: ") and "not a JSON record" in status("bad").state
+    assert status("bad").state.startswith("damaged: ") and "not valid JSON" in status("bad").state
 
 
 def test_cell_status_names_the_process_holding_the_lock(tmp_path):

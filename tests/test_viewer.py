@@ -4,10 +4,12 @@ render in headless Chromium with both runs, their tokens, flags and the replay s
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
 import subprocess
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,16 +173,24 @@ def test_eval_trace_leaves_records_unchanged(runs) -> None:
         assert len(t["compressions"]) == r["compressions"] and len(t["output_tokens"]) == r["generated_tokens"]
 
 
+def _tiny_trace(n: int) -> dict:
+    """A valid trace of n prompt tokens, no output, no compression."""
+    data = base64.b64encode(zlib.compress(bytes([0xFF] * n))).decode("ascii")
+    return {"version": 1, "num_layers": 1, "num_kv_heads": 1, "prompt_len": n, "prompt_tokens": ["x"] * n,
+            "output_tokens": [], "compressions": [], "final_state": None,
+            "evicted": {"dtype": "uint8", "shape": [1, 1, n], "codec": "zlib+base64", "data": data}}
+
+
 def test_trace_file_prune_keeps_one_line_per_finished_record(tmp_path) -> None:
     path = tmp_path / "traces.jsonl"
     tf = TraceFile(path)
-    tf.append("a", 0, {"n": 1})
-    tf.append("orphan", 0, {"n": 2})  # its record was lost in a crash
-    tf.append("a", 0, {"n": 3})  # re-run after the crash
+    tf.append("a", 0, _tiny_trace(1))
+    tf.append("orphan", 0, _tiny_trace(2))  # its record was lost in a crash
+    tf.append("a", 0, _tiny_trace(3))  # re-run after the crash
     with open(path, "a") as f:
         f.write('{"id": "b", "sam')  # torn
     tf.prune({("a", 0)})
-    assert read_traces(path) == {("a", 0): {"n": 3}}
+    assert read_traces(path) == {("a", 0): _tiny_trace(3)}
     assert len(path.read_text().splitlines()) == 1
     before = path.read_bytes()
     tf.prune({("a", 0)})

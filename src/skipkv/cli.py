@@ -72,11 +72,34 @@ def _command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+# Arguments that name files or folders: any bytes the OS allows, so an undecodable byte (kept by Python as a
+# lone surrogate, PEP 383) is legitimate there and goes back to the OS as the same byte.
+PATH_ARGS = frozenset({"out", "prompts", "data", "reference", "dirs", "config", "steering", "plot", "model"})
+
+
+_FLAG_NAMES = {"prompt": "PROMPT", "example_id": "--id"}  # dests whose flag is not --<dest>
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Text is checked once, here at the edge: every text argument (a prompt, a stop string, a name, a key) must be
+    encodable Unicode, or the command stops with one line, before a tokenizer or a server sees it."""
+    from skipkv.files import check_text
+
+    for name, value in vars(args).items():
+        if name in PATH_ARGS:
+            continue
+        for i, v in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, str):
+                flag = _FLAG_NAMES.get(name) or f"--{name.removeprefix('knob_').replace('_', '-')}"
+                check_text(v, f"{flag}" + (f" {i}" if isinstance(value, (list, tuple)) else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command(argv) or "")
     args = parser.parse_args(argv)
     try:
+        check_arguments(args)
         return int(args.func(args) or 0)
     except SkipKVError as exc:
         print(f"skipkv: error: {_one_line(str(exc))}", file=sys.stderr)

@@ -463,10 +463,15 @@ def resolve_auto(dtype: str, device: str | torch.device | None = "cpu") -> tuple
     return choice.dtype, choice
 
 
+MAX_THREADS = 1024
+
+
 def set_threads(threads: int | None) -> int:
     """Set torch's intra-op threads (None or 0 keeps torch's default, one per available core); returns what is set."""
-    if threads is not None and threads < 0:
-        raise SkipKVError(f"--threads must be 0 (torch's default) or positive, got {threads}")
+    if threads is not None:
+        from skipkv.config import bounded
+
+        bounded(threads, "--threads", 0, MAX_THREADS, "more threads than any machine's cores only oversubscribe it")
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

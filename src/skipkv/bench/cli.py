@@ -12,15 +12,34 @@ from __future__ import annotations
 
 import argparse
 
+from skipkv.config import (
+    BATCH_WHY,
+    MAX_BATCH,
+    MAX_SEED,
+    MAX_TOKENS,
+    SEED_WHY,
+    TOKENS_WHY,
+    bounded,
+    short,
+)
 from skipkv.errors import SkipKVError
 from skipkv.hardware import DTYPE_HELP, set_threads
 
+MAX_REQUESTS = 1 << 20
+REQUESTS_WHY = "every request is built before the first is sent"
 
-def _ints(text: str) -> tuple[int, ...]:
+
+def _ints(text: str, name: str = "list", hi: int = MAX_TOKENS, why: str = TOKENS_WHY) -> tuple[int, ...]:
+    """Comma-separated integers, each in 1..hi; at most 64 of them."""
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SkipKVError(f"expected comma-separated integers, got {text!r}") from None
+        raise SkipKVError(f"{name}: expected comma-separated integers, got {short(text)}") from None
+    if len(vals) > 64:
+        raise SkipKVError(f"{name}: at most 64 values (each is a separate run), got {len(vals)}")
+    for v in vals:
+        bounded(v, name, 1, hi, why)
+    return vals
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
@@ -30,7 +49,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     # Everything is checked here (policies, knobs, lengths, --out) before the model loads.
     sep = ";" if ";" in args.policies else ","  # specs with knobs (name:k=v,k=v) are separated by ";"
     cfg = DecodeBenchConfig(model=args.model, policies=tuple(p.strip() for p in args.policies.split(sep) if p.strip()),
-                            lengths=_ints(args.lengths), budget=args.budget, interval=args.interval,
+                            lengths=_ints(args.lengths, "--lengths"), budget=args.budget, interval=args.interval,
                             window=args.window, batch_size=args.batch_size, dtype=args.dtype, span=args.span,
                             prompt_tokens=args.prompt_tokens, out=args.out, progress=not args.no_progress)
     run_bench(cfg)
@@ -48,20 +67,19 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             raise SkipKVError(f"{p} keeps the full cache: it is the reference, not a policy to compare")
     if not 0 < args.budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {args.budget_ratio}")
-    if args.examples <= 0 or args.window <= 0 or args.steps <= 0:
-        raise SkipKVError("--examples, --window and --steps must be positive")
-    run_fidelity(args.model, args.dataset, list(_ints(args.lengths)), policies, args.budget_ratio, args.examples,
-                 args.window, args.dtype, args.out, queries=args.queries, steps=args.steps)
+    bounded(args.examples, "--examples", 1, 10_000, "examples are held in memory")
+    bounded(args.window, "--window", 1, MAX_TOKENS, TOKENS_WHY)
+    bounded(args.steps, "--steps", 1, MAX_TOKENS, TOKENS_WHY)
+    lengths = list(_ints(args.lengths, "--lengths"))
+    run_fidelity(args.model, args.dataset, lengths, policies, args.budget_ratio, args.examples, args.window,
+                 args.dtype, args.out, queries=args.queries, steps=args.steps)
     return 0
 
 
 def _batches(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise SkipKVError(f"--batch-sweep: expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise SkipKVError(f"--batch-sweep: batch sizes must be positive integers, got {text!r}")
+    vals = list(_ints(text, "--batch-sweep", MAX_BATCH, BATCH_WHY))
+    if not vals:
+        raise SkipKVError(f"--batch-sweep: give batch sizes, got {short(text)}")
     return vals
 
 
@@ -75,10 +93,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         raise SkipKVError("--policies: give at least one policy")
     for p in policies:
         POLICIES.get(p)  # one-line error for an unknown name, before loading a model
-    if args.requests < 1:
-        raise SkipKVError(f"--requests must be positive, got {args.requests}")
-    if args.repeats < 1:
-        raise SkipKVError(f"--repeats must be at least 1, got {args.repeats}")
+    bounded(args.requests, "--requests", 1, MAX_REQUESTS, REQUESTS_WHY)
+    bounded(args.repeats, "--repeats", 1, 100, "each repeat runs the whole benchmark again")
+    bounded(args.seed, "--seed", 0, MAX_SEED, SEED_WHY)
+    for name in ("max_new_tokens", "prefill_chunk", "prefill_budget", "budget", "interval", "window"):
+        if getattr(args, name) is not None:
+            bounded(getattr(args, name), f"--{name.replace('_', '-')}", 0, MAX_TOKENS, TOKENS_WHY)
+    if args.batch_size is not None:
+        bounded(args.batch_size, "--batch-size", 1, MAX_BATCH, BATCH_WHY)
     if args.max_seconds is not None and (args.max_seconds <= 0 or args.hf_reference):
         raise SkipKVError("--max-seconds must be positive and cannot be combined with --hf-reference")
     knobs = {"budget": args.budget, "interval": args.interval, "window": args.window}
@@ -94,18 +116,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from skipkv.bench.serve import run_bench
     from skipkv.eval.datasets import dataset_names
 
+    bounded(args.seed, "--seed", 0, MAX_SEED, SEED_WHY)
+    if args.out is not None:
+        from skipkv.outputs import check_file
+
+        check_file(args.out, "--out")  # before the first request: an unusable --out fails now, not after the run
     if args.soak is not None:
         from skipkv.bench.soak import run_soak
 
+        if not 0 < args.soak <= 24 * 60:
+            raise SkipKVError(f"--soak must be in (0, 1440] minutes, got {short(args.soak)}")
         run_soak(args.url, args.soak, args.api_key, args.out, args.seed)
         return 0
 
-    try:
-        levels = [int(x) for x in args.concurrency.split(",") if x]
-    except ValueError:
-        raise SkipKVError(f"--concurrency expects comma-separated integers, got {args.concurrency!r}") from None
-    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
-        raise SkipKVError("--concurrency levels, --requests and --max-tokens must be positive")
+    levels = list(_ints(args.concurrency, "--concurrency", 4096, "each level opens that many connections"))
+    if not levels:
+        raise SkipKVError("--concurrency: give at least one level")
+    bounded(args.requests, "--requests", 1, MAX_REQUESTS, REQUESTS_WHY)
+    bounded(args.max_tokens, "--max-tokens", 1, MAX_TOKENS, TOKENS_WHY)
     if args.dataset not in dataset_names():
         raise SkipKVError(f"unknown dataset {args.dataset!r}; choose one of: {', '.join(dataset_names())}")
     run_bench(args.url, levels, args.requests, args.dataset, args.max_tokens, args.api_key, args.ignore_eos, args.out)

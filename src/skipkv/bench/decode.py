@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from skipkv.attention import attention_backend
-from skipkv.config import SamplingParams, check_fields, knob
+from skipkv.config import MAX_TOKENS, TOKENS_WHY, SamplingParams, check_fields, knob
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
@@ -133,13 +133,14 @@ class DecodeBenchConfig:
     model: str = "random:qwen2:0.5b"
     policies: tuple[str, ...] = ("full", "rkv")
     lengths: tuple[int, ...] = (256, 1024, 4096)
-    budget: int = knob(256, "KV budget of the compressing policies", gt=0)
-    interval: int = knob(128, "compress every this many tokens", gt=0)
-    window: int = knob(8, "recent tokens always kept", ge=0)
+    budget: int = knob(256, "KV budget of the compressing policies", gt=0, le=MAX_TOKENS, why=TOKENS_WHY)
+    interval: int = knob(128, "compress every this many tokens", gt=0, le=MAX_TOKENS, why=TOKENS_WHY)
+    window: int = knob(8, "recent tokens always kept", ge=0, le=MAX_TOKENS, why=TOKENS_WHY)
     batch_size: int = knob(1, "requests decoded together (each one materialised)", gt=0, le=4096)
     dtype: str = "auto"
-    span: int = knob(64, "steps before each length whose median is reported", gt=0)
-    prompt_tokens: int = knob(0, "prompt length in tokens (0: the short built-in question)", ge=0)
+    span: int = knob(64, "steps before each length whose median is reported", gt=0, le=MAX_TOKENS, why=TOKENS_WHY)
+    prompt_tokens: int = knob(0, "prompt length in tokens (0: the short built-in question)", ge=0, le=MAX_TOKENS,
+                              why=TOKENS_WHY)
     out: str | None = knob(None, "JSON report path", kind=str)
     progress: bool = False  # a bar of decode steps on stderr (the CLI turns it on)
 

@@ -226,8 +226,12 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
     from skipkv.eval.datasets import data_request, get_dataset
     from skipkv.hardware import environment
     from skipkv.models import load_model
+    from skipkv.outputs import check_file, write_atomic
     from skipkv.policies import parse_policy_spec
 
+    if out is not None:
+        check_file(out, "--out")  # before the model loads
+        check_file(Path(out).with_suffix(".png"), "--out")
     if not 0 < budget_ratio <= 1:
         raise SkipKVError(f"budget ratio must be in (0, 1], got {budget_ratio}")
     if queries not in QUERY_MODES:
@@ -277,9 +281,9 @@ def run_fidelity(model: str, dataset: str, lengths: list[int], policies: list[st
               "dtype": str(bundle.dtype).removeprefix("torch."), "examples_per_length": examples,
               "machine": environment(bundle.dtype_choice),
               "results": results, "table": table}
-    if out:
-        path = Path(out)
+    if out is not None:
+        path = check_file(out, "--out")  # again: the place may have changed while the benchmark ran
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
+        write_atomic(path, json.dumps(report, indent=2))
         plot(results, lengths, path.with_suffix(".png"), f"{model} · {dataset} · budget {budget_ratio:g} of the prompt")
     return report

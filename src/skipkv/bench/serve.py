@@ -17,7 +17,6 @@ import asyncio
 import json
 import time
 import urllib.request
-from pathlib import Path
 
 from skipkv.engine.request import percentile
 from skipkv.errors import SkipKVError
@@ -138,7 +137,10 @@ def run_bench(url: str, concurrency: list[int], requests: int, dataset: str, max
               f"{r['peak_kv_held_bytes'] / 2**20:>11.1f} {r['errors']:>6}")
     report = {"url": url, "model": model, "dataset": dataset, "requests": requests, "max_tokens": max_tokens,
               "ignore_eos": ignore_eos, "server_metrics_end": _scrape(url), "results": rows}
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    if out is not None:
+        from skipkv.outputs import check_file, write_atomic
+
+        path = check_file(out, "--out")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(report, indent=1) + "\n")
     return report

@@ -24,7 +24,6 @@ import random
 import time
 import urllib.parse
 from collections import Counter, defaultdict
-from pathlib import Path
 
 from skipkv.engine.request import percentile
 from skipkv.errors import SkipKVError
@@ -299,7 +298,10 @@ def run_soak(url: str, minutes: float, api_key: str | None, out: str | None, see
     rep = asyncio.run(Soak(url, model, api_key or "", minutes * 60, seed).run())
     rep.update(url=url, model=model)
     print_table(url, model, rep)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(rep, indent=1) + "\n")
+    if out is not None:
+        from skipkv.outputs import check_file, write_atomic
+
+        path = check_file(out, "--out")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(rep, indent=1) + "\n")
     return rep

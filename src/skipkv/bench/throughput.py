@@ -44,7 +44,7 @@ from skipkv.bench.throughput_report import (
     plot,
     saturation,
 )
-from skipkv.config import EngineConfig, SamplingParams
+from skipkv.config import MAX_BATCH, EngineConfig, SamplingParams
 from skipkv.errors import SkipKVError
 from skipkv.outputs import check_file, write_atomic
 
@@ -214,7 +214,7 @@ def run_bench(model: str, workload: str, requests: int, policies: list[str], kv_
     sweep = sorted(set(batch_sweep or []))
     if sweep and max(sweep) > requests:
         raise SkipKVError(f"--batch-sweep goes up to {max(sweep)} but --requests is {requests}")
-    engine_cfg = EngineConfig(batch_size=batch_size or requests, prefill_chunk=prefill_chunk,
+    engine_cfg = EngineConfig(batch_size=batch_size or min(requests, MAX_BATCH), prefill_chunk=prefill_chunk,
                               prefill_budget=prefill_budget, kv_memory=kv_memory)
     if bundle is None:
         bundle = load_model(model, dtype=dtype, device=device or "cpu")

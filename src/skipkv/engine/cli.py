@@ -117,28 +117,14 @@ def add_memory_args(p: argparse.ArgumentParser, prefill_budget: bool = True) -> 
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt)
+    """The prompts of `generate`: arguments, then --prompts lines (skipkv.files: bounded, schema-checked), each
+    checked to be encodable text and not empty."""
+    from skipkv.files import check_text, read_jsonl
+
+    prompts = [check_text(p, f"prompt {i}") for i, p in enumerate(args.prompt)]
     if args.prompts:
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise SkipKVError(f"prompts file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise SkipKVError(f"{path} is not UTF-8 text (byte {exc.start}); --prompts takes a JSONL file") from None
-        except OSError as exc:
-            raise SkipKVError(f"cannot read {path}: {exc.strerror}") from None
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise SkipKVError(f"{path}:{n}: not valid JSON") from None
-            prompt = (row.get("prompt") or row.get("text")) if isinstance(row, dict) else row
-            if not isinstance(prompt, str):
-                raise SkipKVError(f"{path}:{n}: expected a string or an object with a 'prompt' field")
-            prompts.append(prompt)
+        for _num, row in read_jsonl(Path(args.prompts), "prompts"):
+            prompts.append(row if isinstance(row, str) else (row.get("prompt") or row.get("text")))
     if not prompts:
         raise SkipKVError("no prompt given (pass PROMPT... or --prompts FILE.jsonl)")
     for i, p in enumerate(prompts):

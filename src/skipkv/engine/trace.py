@@ -77,9 +77,18 @@ class RequestTrace:
 def decode_evicted(trace: dict[str, Any]) -> np.ndarray:
     """The eviction array [L, H, T] as int64: compression index at which each position left; -1 = never."""
     meta = trace["evicted"]
-    raw = np.frombuffer(zlib.decompress(base64.b64decode(meta["data"])), dtype=np.dtype(meta["dtype"]))
-    arr = raw.reshape(meta["shape"]).astype(np.int64)
-    arr[arr == np.iinfo(np.dtype(meta["dtype"])).max] = -1
+    dtype = np.dtype(meta["dtype"])
+    size = int(np.prod(meta["shape"])) * dtype.itemsize
+    # Decompress no more than the shape needs: a crafted trace cannot inflate past it (a zlib bomb).
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(base64.b64decode(meta["data"], validate=True), size + 1)
+    except (ValueError, zlib.error) as exc:
+        raise ValueError(f"evicted data is not zlib+base64 ({exc})") from None
+    if len(data) != size:
+        raise ValueError(f"evicted data holds {len(data)} bytes, its shape {meta['shape']} needs {size}")
+    arr = np.frombuffer(data, dtype=dtype).reshape(meta["shape"]).astype(np.int64)
+    arr[arr == np.iinfo(dtype).max] = -1
     return arr
 
 

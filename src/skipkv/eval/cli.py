@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         quiet=args.quiet, blind=args.blind, trace=args.trace, **{k: v for k, v in given.items() if v is not None},
     )
     out = run_eval(cfg)
-    s = json.loads((Path(out) / SUMMARY_FILE).read_text())
+    from skipkv.files import read_json
+
+    s = read_json(Path(out) / SUMMARY_FILE, "summary")
     if not args.quiet and not s["n"]:
         print(f"{cfg.dataset} / {cfg.policy}: no records -> {out}")
     elif not args.quiet:

@@ -9,7 +9,6 @@ both import this module and register their classes here, so neither imports the 
 from __future__ import annotations
 
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
+from skipkv.config import COUNT_WHY, MAX_COUNT, MAX_SEED, SEED_WHY, bounded
 from skipkv.errors import SkipKVError
 from skipkv.registry import Registry
 
@@ -61,9 +61,8 @@ def data_request(options: Mapping[str, Any], tokenizer: Any = None, prompt_style
     if unknown:
         raise SkipKVError(f"unknown dataset option {unknown[0]!r}; known: {', '.join(OPTION_KEYS)}")
     values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
-    offset = values.get("offset", 0)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise SkipKVError(f"dataset option offset must be an integer >= 0, got {offset!r}")
+    bounded(values.get("offset", 0), "dataset option offset", 0, MAX_COUNT, COUNT_WHY)
+    bounded(values.get("seed", 0), "dataset option seed", 0, MAX_SEED, SEED_WHY)
     return DataRequest(**values, tokenizer=tokenizer, prompt_style=prompt_style)
 
 
@@ -79,6 +78,9 @@ class Dataset(ABC):
     @abstractmethod
     def load(self, request: DataRequest) -> list[Example]:
         """All examples, in a stable order (a --limit takes a prefix of it)."""
+
+    def check(self, request: DataRequest) -> None:  # noqa: B027 - optional: most sets check in load
+        """Refuse bad options (and a bad data file) before a model loads; `request` has no tokenizer yet."""
 
     @abstractmethod
     def identity(self, request: DataRequest) -> dict[str, Any]:
@@ -104,13 +106,8 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for num, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise SkipKVError(f"{path}:{num} is not valid JSON") from None
-    return rows
+def read_jsonl(path: Path, schema: str = "data") -> list[dict]:
+    """The rows of a JSON-lines data file (skipkv.files: bounded, each row checked by `schema`)."""
+    from skipkv.files import read_jsonl as read
+
+    return [row for _num, row in read(path, "data", schema)]

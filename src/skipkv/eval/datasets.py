@@ -37,12 +37,6 @@ from skipkv.eval.data import (  # noqa: F401
 )
 
 
-def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        raise SkipKVError(f"{where}: row {row.get('id', '?')!r} lacks field(s) {', '.join(missing)}")
-
-
 def hub_rows(repo: str, config: str | None, split: str) -> list[dict]:
     """Rows of a hub dataset through `datasets` (imported here so that it stays optional)."""
     try:
@@ -60,7 +54,7 @@ class FileDataset(Dataset):
     """A benchmark read from a JSONL in the packaged schema, from --data, or converted from the hub."""
 
     filename: ClassVar[str]
-    fields: ClassVar[tuple[str, ...]]
+    schema: ClassVar[str]  # the row schema in skipkv.files.schemas
     hub: ClassVar[tuple[str, str | None, str]]  # (repo, config, split)
 
     @staticmethod
@@ -86,14 +80,19 @@ class FileDataset(Dataset):
         if request.source == "hub":
             if request.data:
                 raise SkipKVError("give either --data PATH or --source hub, not both")
-            rows = [self.from_hub(r, i) for i, r in enumerate(hub_rows(*self.hub))]
+            from skipkv.files.schemas import validate
+            from skipkv.files.text import walk_text
+
             where = f"hub {self.hub[0]}"
+            rows = [validate(self.schema, self.from_hub(r, i), f"{where} row {i}")
+                    for i, r in enumerate(hub_rows(*self.hub))]
+            for i, row in enumerate(rows):
+                walk_text(row, f"{where} row {i}")  # text no tokenizer can encode stops here, not in the tokenizer
         else:
             path = self._file(request)
-            rows, where = read_jsonl(path), str(path)
+            rows, where = read_jsonl(path, self.schema), str(path)
         seen: set[str] = set()
         for row in rows:
-            _require(row, self.fields, where)
             if str(row["id"]) in seen:
                 raise SkipKVError(f"{where}: id {row['id']!r} appears twice")
             seen.add(str(row["id"]))
@@ -101,6 +100,10 @@ class FileDataset(Dataset):
 
     def load(self, request: DataRequest) -> list[Example]:
         return [self.example(r) for r in self.rows(request)]
+
+    def check(self, request: DataRequest) -> None:
+        if request.source == "local":
+            self.rows(request)  # a --data file is read (bounded, schema-checked) before the model loads
 
     def identity(self, request: DataRequest) -> dict[str, Any]:
         if request.source == "hub":
@@ -112,7 +115,7 @@ class FileDataset(Dataset):
 
 
 class MathDataset(FileDataset):
-    fields = ("id", "problem", "answer")
+    schema = "data_math"
     grader = "math"
 
     def example(self, row: dict) -> Example:
@@ -172,7 +175,7 @@ class HumanEval(FileDataset):
     name = "humaneval"
     grader = "code"
     filename = "humaneval.jsonl"
-    fields = ("id", "prompt", "entry_point", "test")
+    schema = "data_code"
     max_new_tokens = 2048
     hub = ("openai/openai_humaneval", None, "test")
     # The usual HumanEval completion stops: the next top-level statement ends the function.

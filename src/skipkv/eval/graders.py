@@ -11,7 +11,8 @@
   is the R-KV/Qwen-Math harness rule (research/algorithms.md §6.3).
 - gsm8k: math, falling back to the last number in the output when nothing is boxed.
 - code: the program (HumanEval prompt + completion, or the model's own full function) runs with the task's
-  tests in the sandbox (sandbox.py); passing means exit status 0.
+  tests in the sandbox (sandbox.py) inside a harness (harness.py); passing means the harness reported that the
+  check call returned, not merely exit status 0 (a program can exit 0 before its asserts run).
 - contains: every reference string must appear in the output (case-insensitive; RULER's string_match_all);
   the record's score is the fraction that do.
 - exact: the normalised output equals the reference.
@@ -167,16 +168,18 @@ def extract_code(output: str, entry_point: str | None = None) -> str:
     return blocks[-1]
 
 
-def build_program(prompt: str, code: str, test: str, entry_point: str) -> str:
-    """The program the sandbox runs. If the code defines the function itself, it replaces the prompt's stub
-    (the prompt's preamble — imports, helper functions — is kept); otherwise it continues the prompt."""
+def build_program(prompt: str, code: str, test: str, entry_point: str) -> tuple[str, str]:
+    """(the program, the check statement) the sandbox's harness runs: the program is the solution and the test
+    code; the check call (`check(entry_point)`) is run by the harness after it, which reports success only once
+    that call returned. If the code defines the function itself, it replaces the prompt's stub (the prompt's
+    preamble — imports, helper functions — is kept); otherwise it continues the prompt."""
     if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE):
         stub = re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", prompt, re.MULTILINE)
         preamble = prompt[:stub.start()] if stub else ""
         body = preamble + "\n" + code
     else:
         body = prompt + code
-    return f"{body}\n\n{test}\n\ncheck({entry_point})\n"
+    return f"{body}\n\n{test}\n", f"check({entry_point})\n"
 
 
 def truncate_completion(code: str, stops: Sequence[str]) -> str:
@@ -220,7 +223,8 @@ class CodeGrader(Grader):
         if not re.search(rf"^def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
             # A continuation of the stub: it ends where the next top-level statement would start.
             code = truncate_completion(code, self.stops)
-        result = self.sandbox().run(build_program(prompt, code, str(example.reference), entry))
+        program, check = build_program(prompt, code, str(example.reference), entry)
+        result = self.sandbox().run(program, check)
         return Verdict(result.passed, code, float(result.passed), f"{result.summary()} [{result.isolation}]",
                        sandbox=result.isolation)
 

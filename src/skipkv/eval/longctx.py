@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
+from skipkv.config import bounded, short
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
 from skipkv.eval.data import (
@@ -45,16 +46,20 @@ HAYSTACK = "niah_paul_graham_essays.txt"
 HAYSTACK_INDEX = "niah_paul_graham_essays_index.jsonl"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_LENGTH = 32768
+MAX_PER_LENGTH = 10_000
+MAX_EXAMPLES = 100_000
 
 
 def load_essays(path: str | None = None) -> list[str]:
     """The packaged essays (split by their index), or one document read from `path`."""
+    from skipkv.files import read_text
+
     if path:
         file = Path(path)
         if not file.is_file():
             raise SkipKVError(f"--data haystack file not found: {file}")
-        return [file.read_text(encoding="utf-8")]
-    text = packaged(HAYSTACK).read_text(encoding="utf-8")
+        return [read_text(file, "haystack")]
+    text = read_text(packaged(HAYSTACK), "haystack")
     return [text[row["char_start"]:row["char_end"]] for row in read_jsonl(packaged(HAYSTACK_INDEX))]
 
 
@@ -298,22 +303,28 @@ class LongContextDataset(Dataset):
     default_depths: ClassVar[tuple[float, ...]] = ()
     default_per_length: ClassVar[int] = 10
 
-    def resolve(self, request: DataRequest) -> DataRequest:
+    def check(self, request: DataRequest) -> None:
+        self.resolve(request, need_tokenizer=False)
+
+    def resolve(self, request: DataRequest, need_tokenizer: bool = True) -> DataRequest:
         if request.source != "local":
             raise SkipKVError(f"{self.name} is generated locally from the haystack; --source hub does not apply")
         lengths = request.lengths or DEFAULT_LENGTHS
         bad = [n for n in lengths if not 0 < n <= MAX_LENGTH]
         if bad:
-            raise SkipKVError(f"lengths must be in 1..{MAX_LENGTH} tokens, got {bad}")
+            raise SkipKVError(f"lengths must be in 1..{MAX_LENGTH} tokens, got {short(bad)}")
         if request.depths and not self.default_depths:
             raise SkipKVError(f"--depths applies to niah only; {self.name} places its items at random depths")
         depths = request.depths or self.default_depths
         if any(not 0.0 <= d <= 1.0 for d in depths):
             raise SkipKVError(f"depths must be fractions in [0, 1], got {list(depths)}")
         per_length = request.per_length if request.per_length is not None else self.default_per_length
-        if per_length <= 0:
-            raise SkipKVError(f"per-length must be positive, got {per_length}")
-        if request.tokenizer is None:
+        bounded(per_length, "per-length", 1, MAX_PER_LENGTH, "every example is generated and held in memory")
+        cells = len(set(lengths)) * max(1, len(set(depths))) * per_length
+        if cells > MAX_EXAMPLES:
+            raise SkipKVError(f"lengths x depths x per-length is {cells} examples, at most {MAX_EXAMPLES} (every "
+                              "example is generated and held in memory)")
+        if need_tokenizer and request.tokenizer is None:
             raise SkipKVError(f"{self.name} needs the model's tokenizer (lengths are in its tokens)")
         return replace(request, lengths=tuple(lengths), depths=tuple(depths), per_length=per_length)
 

@@ -10,13 +10,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skipkv.config import EngineConfig, SamplingParams, check_fields, knob
+from skipkv.config import (
+    COUNT_WHY,
+    MAX_COUNT,
+    MAX_SAMPLES,
+    MAX_TOKENS,
+    SAMPLES_WHY,
+    TOKENS_WHY,
+    EngineConfig,
+    SamplingParams,
+    check_fields,
+    knob,
+)
 from skipkv.errors import SkipKVError
 from skipkv.eval import prompts
 from skipkv.eval.data import Dataset, Example
@@ -53,20 +63,21 @@ class EvalConfig:
     budget_ratio: float | None = knob(None, "budget as a fraction", kind=float, gt=0.0, le=1.0)
     reference: str | None = None  # run dir of a full-cache run: budget = ratio x its mean generated tokens
     dataset_options: Mapping[str, Any] = field(default_factory=dict)  # source, data, lengths, depths, per_length, seed
-    limit: int | None = knob(None, "first N examples", kind=int, gt=0)
-    samples: int = knob(1, "samples per example (pass@1 is averaged over them)", gt=0)
+    limit: int | None = knob(None, "first N examples", kind=int, gt=0, le=MAX_COUNT, why=COUNT_WHY)
+    samples: int = knob(1, "samples per example (pass@1 is averaged over them)", gt=0, le=MAX_SAMPLES,
+                        why=SAMPLES_WHY)
     temperature: float = _SAMPLING.temperature  # these five and the engine's two are checked by their own
     top_p: float = _SAMPLING.top_p               # dataclasses (SamplingParams, EngineConfig) in __post_init__
     top_k: int = _SAMPLING.top_k
     seed: int = _SAMPLING.seed
-    max_new_tokens: int | None = knob(None, "None: the dataset's default", kind=int, gt=0)
+    max_new_tokens: int | None = knob(None, "None: the dataset's default", kind=int, gt=0, le=MAX_TOKENS,
+                                      why=TOKENS_WHY)
     force_wait: int = _SAMPLING.force_wait  # s1 budget forcing (SamplingParams.force_wait)
     batch_size: int = _ENGINE.batch_size
     prefill_chunk: int = _ENGINE.prefill_chunk
     share_prefix: int = _ENGINE.share_prefix  # prefill a prompt prefix shared by a batch once (EngineConfig)
     unpad_prefill: bool = _ENGINE.unpad_prefill  # MLPs on a padded prefill's real positions only (EngineConfig)
-    kv_memory: int = knob(_ENGINE.kv_memory, "KV memory cap in bytes (0 = none; execution only: it does not "
-                          "change tokens)", ge=0)
+    kv_memory: int = _ENGINE.kv_memory  # KV memory cap in bytes (0 = none; execution only: it does not change tokens)
     prompt_style: str = knob("chat", "chat template or raw text", choices=prompts.STYLES)
     dtype: str = field(default_factory=lambda: _load_model_default("dtype"))
     device: str = field(default_factory=lambda: _load_model_default("device"))
@@ -93,7 +104,8 @@ class EvalConfig:
         # The sampling and engine knobs are validated by the dataclasses that own their constraints.
         SamplingParams(max_new_tokens=self.max_new_tokens or 1, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, seed=self.seed, force_wait=self.force_wait)
-        EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk, share_prefix=self.share_prefix)
+        EngineConfig(batch_size=self.batch_size, prefill_chunk=self.prefill_chunk, share_prefix=self.share_prefix,
+                     kv_memory=self.kv_memory)
         if self.samples > 1 and self.temperature == 0:
             raise SkipKVError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
         if self.budget is not None and self.budget_ratio is not None:
@@ -125,19 +137,22 @@ def sample_seed(seed: int, example_id: str, sample: int) -> int:
 
 def _read_reference(cfg: EvalConfig) -> float:
     """Mean generated tokens of the full-cache reference run, checked to be the same model and dataset."""
+    from skipkv.files import read_json
     from skipkv.policies import POLICIES
 
     ref = Path(str(cfg.reference))
     try:
-        summary = json.loads((ref / SUMMARY_FILE).read_text())
-        config = json.loads((ref / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise SkipKVError(f"--reference {ref}: cannot read its summary.json/config.json ({exc})") from None
-    policy = str(config.get("policy", {}).get("name", "?"))
+        summary = read_json(ref / SUMMARY_FILE, "summary")
+        config = read_json(ref / CONFIG_FILE, "config")
+    except SkipKVError as exc:
+        raise SkipKVError(f"--reference: {exc}") from None
+    raw_policy = config.get("policy")
+    policy = str(raw_policy.get("name", "?") if isinstance(raw_policy, dict) else raw_policy)
     if policy not in POLICIES or POLICIES.get(policy).compresses:
         raise SkipKVError(f"--reference {ref} is a {policy!r} run; a budget ratio refers to a full-cache run")
     for key, mine in (("model", cfg.model), ("dataset", cfg.dataset)):
-        theirs = config.get(key, {}).get("name") if key == "dataset" else config.get(key)
+        theirs = config.get(key)
+        theirs = theirs.get("name") if isinstance(theirs, dict) else theirs
         if theirs != mine:
             raise SkipKVError(f"--reference {ref} ran {key} {theirs!r}, this run uses {mine!r}")
     mean = summary.get("mean_generated_tokens")
@@ -224,7 +239,10 @@ class Plan:
 
 
 def make_plan(cfg: EvalConfig) -> Plan:
+    from skipkv.eval.data import data_request
+
     dataset = get_dataset(cfg.dataset)
+    dataset.check(data_request(cfg.dataset_options, None, cfg.prompt_style))  # options and --data, before the model
     grader = make_grader(cfg, dataset)
     mode, fixed_budget, ref_mean = budget_plan(cfg, dataset)
     policy = run_policy(cfg, fixed_budget)  # validates the knobs before a model is loaded

@@ -19,10 +19,27 @@ from pathlib import Path
 from typing import Any
 
 from skipkv.errors import SkipKVError
+from skipkv.files import count_lines, parse_json, read_bytes, split_lines
 
 
 def _key(record: dict[str, Any]) -> tuple[str, int]:
-    return str(record["id"]), int(record["sample"])
+    return str(record["id"]), int(record.get("sample", 0))
+
+
+class _Torn(Exception):
+    """A line that is not JSON at all: at the end of the file, what a crash mid-write leaves."""
+
+
+def _parse(line: bytes, path: Path, num: int, kind: str, schema: str | None = None) -> dict[str, Any]:
+    """One line of records.jsonl or traces.jsonl; _Torn if it is not JSON, a FileError if it is JSON that does
+    not fit the schema (that is damage wherever it is, never a torn write)."""
+    from skipkv.files.schemas import validate
+
+    try:
+        value = parse_json(line, f"{path}:{num}", kind)
+    except SkipKVError:
+        raise _Torn() from None
+    return validate(schema or kind, value, f"{path}:{num}")
 
 
 class RecordStore:
@@ -36,30 +53,23 @@ class RecordStore:
     def _load(self) -> None:
         if not self.path.exists():
             return
-        data = self.path.read_bytes()
+        data = read_bytes(self.path, "records")
+        count_lines(data, self.path, "records")
         good_end = 0  # byte offset just past the last complete, valid line
-        pos = 0
-        while pos < len(data):
-            nl = data.find(b"\n", pos)
-            end = len(data) if nl < 0 else nl + 1
-            line = data[pos:end]
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or "id" not in record or "sample" not in record:
-                        raise ValueError("not a record")
-                except ValueError:
-                    if data[end:].strip():  # damage before the end: not a torn tail
-                        num = data[:pos].count(b"\n") + 1
-                        raise SkipKVError(f"{self.path}:{num} is not a valid record; the file is damaged") from None
-                    break
-                key = _key(record)
-                if key not in self._keys:
-                    self._keys.add(key)
-                    self._records.append(record)
-            good_end = end
-            pos = end
-        if good_end < len(data):
+        for num, pos, line in split_lines(data):
+            try:
+                record = _parse(line, self.path, num, "records")
+            except _Torn:
+                if data[pos + len(line):].strip():  # damage before the end: not a torn tail
+                    raise SkipKVError(f"{self.path}:{num} is not a valid record; the file is damaged") from None
+                break
+            key = _key(record)
+            if key not in self._keys:
+                self._keys.add(key)
+                self._records.append(record)
+            good_end = pos + len(line) + 1
+        good_end = min(good_end, len(data))
+        if data[good_end:].strip():
             # Cut the torn tail so that the next append does not glue onto half a line.
             with open(self.path, "r+b") as f:
                 f.truncate(good_end)
@@ -113,15 +123,12 @@ class TraceFile:
         """Keep only the last line of each (id, sample) in `keys`; rewrite the file only if something goes."""
         if not self.path.exists():
             return
-        lines = self.path.read_bytes().split(b"\n")
         kept: dict[tuple[str, int], bytes] = {}
         dropped = False
-        for line in lines:
-            if not line.strip():
-                continue
+        for num, _pos, line in split_lines(read_bytes(self.path, "traces")):
             try:
-                key = _key(json.loads(line))
-            except (ValueError, KeyError, TypeError):
+                key = _key(_parse(line, self.path, num, "traces", "records"))  # the key is all prune needs
+            except (_Torn, SkipKVError):
                 dropped = True
                 continue
             dropped |= key not in keys or key in kept
@@ -145,14 +152,17 @@ class TraceFile:
 
 
 def read_traces(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    """{(id, sample): trace} from a traces.jsonl; a later line for the same key wins, a torn last line is skipped."""
+    """{(id, sample): trace} from a traces.jsonl; a later line for the same key wins, a torn last line is skipped.
+    Every line is checked by the "traces" schema (skipkv.files.schemas.TraceLine)."""
     out: dict[tuple[str, int], dict[str, Any]] = {}
-    lines = [line for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
-    for i, line in enumerate(lines):
+    data = read_bytes(Path(path), "traces")
+    count_lines(data, path, "traces")
+    for num, pos, line in split_lines(data):
         try:
-            row = json.loads(line)
-            out[_key(row)] = row["trace"]
-        except (ValueError, KeyError, TypeError):
-            if i < len(lines) - 1:
-                raise SkipKVError(f"{path}:{i + 1} is not a valid trace line; the file is damaged") from None
+            row = _parse(line, Path(path), num, "traces")
+        except _Torn:
+            if data[pos + len(line):].strip():
+                raise SkipKVError(f"{path}:{num} is not a valid trace line; the file is damaged") from None
+            continue
+        out[_key(row)] = row["trace"]
     return out

@@ -167,10 +167,12 @@ def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any])
 def check_or_write_config(out: Path, config: dict[str, Any]) -> None:
     path = out / CONFIG_FILE
     if path.exists():
+        from skipkv.files import read_json
+
         try:
-            old = json.loads(path.read_text())
-        except ValueError:
-            raise SkipKVError(f"{path} is not valid JSON; use another --out") from None
+            old = read_json(path, "config")
+        except SkipKVError as exc:
+            raise SkipKVError(f"{exc}; use another --out") from None
         diffs = _differences({k: old.get(k, "<absent>") for k in IDENTITY_KEYS},
                              {k: config[k] for k in IDENTITY_KEYS} | {"policy": _unrecorded_defaults_dropped(
                                  old.get("policy"), config["policy"])})

@@ -31,6 +31,7 @@ Every result records the level that ran it (`SandboxResult.isolation`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -47,6 +48,7 @@ from pathlib import Path
 
 from skipkv.config import check_fields, knob
 from skipkv.errors import SkipKVError
+from skipkv.eval.harness import harness_source
 
 ISOLATION_LEVELS = ("namespaces", "unsafe-basic")
 UID_RANGE = (1_000_000_000, 2_000_000_000)  # per-run uids/gids under `namespaces`; no account lives there
@@ -151,7 +153,10 @@ class SandboxLimits:
     file_bytes: int = knob(16 << 20, "largest file the program may write", gt=0)
     disk_bytes: int = knob(64 << 20, "size of the writable tmpfs (namespaces): all files together", ge=1 << 20)
     disk_inodes: int = knob(4096, "files and folders the program may create (namespaces)", ge=64)
-    processes: int = knob(32, "processes of the run's uid", gt=0)
+    processes: int = knob(32, "processes of the run (its uid's, and counted over its process tree)", gt=0)
+    # The sum over every process of the run, checked while it runs (the address-space limit above is per process:
+    # ten children under it could together take ten times as much).
+    total_memory_bytes: int = knob(1 << 30, "resident memory of all the run's processes together", ge=16 << 20)
     output_bytes: int = knob(4096, "tail of stdout/stderr kept in the result", gt=0)
 
     def __post_init__(self) -> None:
@@ -263,9 +268,11 @@ class Sandbox:
             return f"the start-up probe {probe.status}: {last}"
         return None
 
-    def run(self, code: str) -> SandboxResult:
-        """Execute `code` as a program in a fresh work dir; exit status 0 means passed."""
-        return self._run(code, self.isolation, self.limits)
+    def run(self, code: str, check: str | None = None) -> SandboxResult:
+        """Execute `code` as a program in a fresh work dir. Without `check`, exit status 0 means passed. With it
+        (a statement such as "check(add)"), the program runs inside the test harness (harness.py) and passes only
+        if the harness reports that `check` returned, whatever the program does to its process."""
+        return self._run(code, self.isolation, self.limits, check)
 
     def _command(self, isolation: str, workdir: Path, root: Path, uid: int | None, limits: SandboxLimits) -> list[str]:
         if isolation == "namespaces":
@@ -275,12 +282,12 @@ class Sandbox:
         (workdir / "_guard.py").write_text(_GUARD, encoding="utf-8")
         return [self.python, "-I", "-B", "_guard.py"]
 
-    def _run(self, code: str, isolation: str, limits: SandboxLimits) -> SandboxResult:
+    def _run(self, code: str, isolation: str, limits: SandboxLimits, check: str | None = None) -> SandboxResult:
         logs = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-logs-"))  # parent-owned, outside the work dir
         workdir = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-"))
         root = Path(tempfile.mkdtemp(prefix="skipkv-sandbox-root-"))  # stays empty on the host side
+        token = secrets.token_hex(16) if check is not None else ""
         try:
-            (workdir / "prog.py").write_text(code, encoding="utf-8")
             uid = None
             if isolation == "namespaces":
                 uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
@@ -289,29 +296,83 @@ class Sandbox:
                 home = str(workdir)
             env = {"PATH": MIN_PATH, "HOME": home, "TMPDIR": "/tmp" if uid is not None else home, "LANG": "C.UTF-8"}
             start = time.perf_counter()
-            with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err:
+            with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err, \
+                    open(logs / "report", "wb") as report:
+                source = code if check is None else harness_source(code, check, report.fileno())
+                (workdir / "prog.py").write_text(source, encoding="utf-8")
                 proc = subprocess.Popen(self._command(isolation, workdir, root, uid, limits), cwd=workdir, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        stdin=subprocess.PIPE if check is not None else subprocess.DEVNULL,
+                                        stdout=out, stderr=err, pass_fds=(report.fileno(),) if check else (),
                                         preexec_fn=_limits_preexec(limits, isolation == "namespaces"),
                                         start_new_session=True)
                 try:
-                    returncode: int | None = proc.wait(timeout=limits.timeout_s)
-                    status = "passed" if returncode == 0 else "failed"
-                except subprocess.TimeoutExpired:
-                    # The whole session goes; under namespaces, killing the PID namespace's parent
-                    # (--kill-child) takes every process inside with it, including ones that called setsid.
-                    _kill_group(proc)
-                    returncode, status = None, "timeout"
+                    if proc.stdin is not None:
+                        with contextlib.suppress(BrokenPipeError):
+                            proc.stdin.write(token.encode() + b"\n")
+                            proc.stdin.close()
+                    returncode, status, why = _watch(proc, limits)
                 except BaseException:
                     _kill_group(proc)  # e.g. KeyboardInterrupt in the caller: the program does not outlive it
                     raise
             seconds = time.perf_counter() - start
-            return SandboxResult(status, returncode, _tail(logs / "out", limits.output_bytes),
-                                 _tail(logs / "err", limits.output_bytes), seconds, isolation, uid)
+            stderr = _tail(logs / "err", limits.output_bytes) + (f"\nsandbox: {why}\n" if why else "")
+            if status == "passed" and check is not None and f"\n{token}\n" not in _tail(logs / "report", 4096):
+                # Exit 0 without the harness's report: the program ended its process before the checks finished.
+                status = "failed"
+                stderr += "\nsandbox: the tests did not run to the end (the program exited before the harness)\n"
+            return SandboxResult(status, returncode, _tail(logs / "out", limits.output_bytes), stderr, seconds,
+                                 isolation, uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(logs, ignore_errors=True)
             shutil.rmtree(root, ignore_errors=True)
+
+
+WATCH_S = 0.02  # how often the run's processes are counted and their memory summed
+
+
+def _tree(proc: subprocess.Popen) -> list:
+    import psutil
+
+    try:
+        top = psutil.Process(proc.pid)
+        return [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _watch(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[int | None, str, str]:
+    """Wait for `proc` within the timeout while bounding its whole process tree: every WATCH_S the resident memory
+    of all its processes is summed and they are counted; over `total_memory_bytes` or `processes`, or past the
+    timeout, the run is killed. Returns (returncode, status, why it was stopped or "")."""
+    import psutil
+
+    deadline = time.monotonic() + limits.timeout_s
+    while True:
+        try:
+            returncode = proc.wait(timeout=WATCH_S)
+            return returncode, "passed" if returncode == 0 else "failed", ""
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() > deadline:
+            # The whole session goes; under namespaces, killing the PID namespace's parent (--kill-child) takes
+            # every process inside with it, including ones that called setsid.
+            _kill_group(proc)
+            return None, "timeout", ""
+        tree = _tree(proc)
+        rss = 0
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                rss += p.memory_info().rss
+        why = ""
+        if rss > limits.total_memory_bytes:
+            why = (f"its processes together held {rss >> 20} MiB, over the limit of "
+                   f"{limits.total_memory_bytes >> 20} MiB")
+        elif len(tree) > limits.processes + 3:  # + unshare, the namespace's init shell and setpriv's exec
+            why = f"it ran {len(tree)} processes, over the limit of {limits.processes}"
+        if why:
+            _kill_group(proc)
+            return proc.returncode, "failed", why
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

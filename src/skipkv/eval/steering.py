@@ -143,11 +143,18 @@ def build(model: str, dataset: str, layers: list[int], out: str, limit: int, off
 
     if not layers:
         raise SkipKVError("--layers needs at least one layer")
-    if limit <= 0 or offset < 0 or max_new_tokens <= 0:
-        raise SkipKVError("--limit and --max-tokens must be positive and --offset >= 0")
+    from skipkv.config import COUNT_WHY, MAX_COUNT, bounded
+    from skipkv.outputs import check_file
+
+    bounded(limit, "--limit", 1, MAX_COUNT, COUNT_WHY)
+    bounded(offset, "--offset", 0, MAX_COUNT, COUNT_WHY)
+    for L in layers:
+        bounded(L, "--layers", 0, 4096, "no model has more decoder layers")
+    check_file(out, "--out")  # before the model loads: an unusable --out fails at once, not after the generations
     prompts.check_style(prompt_style)
     ds = get_dataset(dataset)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, force_wait=force_wait)
+    EngineConfig(batch_size=batch_size)  # its bounds, before the model loads
     bundle = load_model(model, dtype=dtype)
     num_layers = bundle.model.config.num_hidden_layers
     bad = [L for L in layers if not 0 <= L < num_layers]

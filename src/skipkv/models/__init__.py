@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -146,10 +145,14 @@ def _check_weights(source: Path, gguf_file: str | None) -> None:
         return
     index = source / "model.safetensors.index.json"
     if index.exists():
+        from skipkv.files import read_json
+
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise SkipKVError(f"{index} is not a valid safetensors index") from None
+            shards = set(read_json(index, "safetensors_index")["weight_map"].values())
+        except SkipKVError as exc:
+            raise SkipKVError(f"not a valid safetensors index: {exc}") from None
+        if any(Path(s).name != s for s in shards):  # a shard name is a file beside the index, never a path
+            raise SkipKVError(f"{index}: a shard name is a path, not a file name")
         missing = sorted(s for s in shards if not (source / s).is_file())
         if missing:
             raise SkipKVError(f"{source / missing[0]} is missing (listed in {index.name}); the download is incomplete")

@@ -39,9 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Write one self-contained HTML page per example of a run traced with "
                                    "`skipkv eval --trace`: tokens shaded by retention, a compression replay "
                                    "slider, flagged and check sentences; two run dirs side by side.")
-    p.add_argument("dirs", nargs="+", type=Path, metavar="RUN_DIR", help="one run dir, or two to compare")
+    p.add_argument("dirs", nargs="+", type=_dir, metavar="RUN_DIR", help="one run dir, or two to compare")
     p.add_argument("--id", dest="example_id", default=None, help="only this example (default: every traced one)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the pages (default: RUN_DIR/show)")
+    p.add_argument("--out", default=None,  # a str: Path("") would silently become the working directory
+                   help="a new or empty folder for the pages (default: RUN_DIR/show)")
     p.set_defaults(func=_show)
 
 

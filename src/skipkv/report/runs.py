@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,37 +118,34 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     notes: list[str] = []
     if not path.exists():
         return [], [f"{path.parent}: no {RECORDS_FILE}"]
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    # The last non-blank line is the only one a crash can tear.
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    from skipkv.files import count_lines, parse_json, read_bytes, split_lines
+    from skipkv.files.schemas import validate
+
+    data = read_bytes(path, "records")
+    count_lines(data, path, "records")
     by_key: dict[tuple[str, Any], dict[str, Any]] = {}
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    for num, pos, line in split_lines(data):
+        where = f"{path}:{num}"
         try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            if i == last:
-                notes.append(f"{path}: skipped a torn last line ({i + 1})")
+            value = parse_json(line, where, "records")
+        except SkipKVError as exc:
+            # The last non-blank line is the only one a crash can tear.
+            if not data[pos + len(line):].strip():
+                notes.append(f"{path}: skipped a torn last line ({num})")
                 continue
-            raise SkipKVError(f"{path}:{i + 1}: not a JSON record ({exc})") from None
-        key = (str(record.get("id", f"line{i}")), record.get("sample", 0))
+            raise SkipKVError(f"{exc}; the file is damaged") from None
+        record = validate("records", value, where)
+        key = (record["id"], record.get("sample", 0))
         if key in by_key:
             notes.append(f"{path}: record {key[0]} sample {key[1]} appears twice; kept the last")
         by_key[key] = record
     return list(by_key.values()), notes
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SkipKVError(f"{path}: cannot read JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise SkipKVError(f"{path}: expected a JSON object")
-    return data
+def _read_json(path: Path, kind: str) -> dict[str, Any]:
+    from skipkv.files import read_json
+
+    return read_json(path, kind)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -172,12 +168,12 @@ def find_run_dirs(paths: Iterable[Path]) -> list[Path]:
 
 
 def load_run(path: Path) -> Run:
-    config = _read_json(path / CONFIG_FILE)
+    config = _read_json(path / CONFIG_FILE, "config")
     records, notes = read_records(path / RECORDS_FILE)
     summary = None
     if (path / SUMMARY_FILE).exists():
         try:
-            summary = _read_json(path / SUMMARY_FILE)
+            summary = _read_json(path / SUMMARY_FILE, "summary")
         except SkipKVError as exc:  # the summary is a convenience; the records are the truth
             notes.append(str(exc))
     notes += _processor_notes(path, records)
@@ -199,11 +195,17 @@ def _processor_notes(path: Path, records: list[dict[str, Any]]) -> list[str]:
     if not file.exists():
         return []
     by_session: dict[Any, str] = {}
-    for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+    from skipkv.files import parse_json_line, read_bytes, split_lines
+
+    try:
+        data = read_bytes(file, "sessions")
+    except SkipKVError as exc:
+        return [str(exc)]
+    for num, _pos, line in split_lines(data):
         try:
-            entry = json.loads(line)
-            by_session[entry["session"]] = _processor(entry.get("environment") or {})
-        except (ValueError, KeyError, TypeError, AttributeError):
+            entry = parse_json_line(line, file, num, "sessions")
+            by_session[entry.get("session")] = _processor(entry["environment"])
+        except (SkipKVError, TypeError, AttributeError):
             continue  # a torn or foreign line: the records are the truth
     counts: dict[str, int] = {}
     for r in records:

@@ -28,6 +28,7 @@ from skipkv.engine.trace import decode_evicted
 from skipkv.errors import SkipKVError
 from skipkv.eval.records import read_traces
 from skipkv.eval.rundir import TRACES_FILE
+from skipkv.outputs import check_dir, write_atomic
 from skipkv.report.runs import Run, is_run_dir, load_run
 
 
@@ -54,7 +55,25 @@ def load_traced(path: Path) -> TracedRun:
     traces = {k: v for k, v in traces.items() if k in records}
     if not traces:
         raise SkipKVError(f"show: {path} has no traces; run `skipkv eval ... --trace` to record them")
+    for key, trace in traces.items():
+        check_trace(trace, records[key], f"show: {path / TRACES_FILE} ({key[0]!r} sample {key[1]})")
     return TracedRun(run, records, traces)
+
+
+def check_trace(trace: dict[str, Any], record: dict[str, Any], where: str) -> None:
+    """A trace belongs to the record it is drawn under: the same prompt length, generated tokens and
+    compressions (a traces.jsonl copied from another run, model or tokenizer differs in them), and its eviction
+    array decodes to the shape it states. A one-line SkipKVError naming `where` otherwise."""
+    mine = {"prompt_tokens": trace["prompt_len"], "generated_tokens": len(trace["output_tokens"]),
+            "compressions": len(trace["compressions"])}
+    for field, value in mine.items():
+        if record.get(field) is not None and record[field] != value:
+            raise SkipKVError(f"{where}: the trace has {value} {field.replace('_', ' ')}, its record "
+                              f"{record[field]}; the trace is not from this run")
+    try:
+        decode_evicted(trace)
+    except ValueError as exc:
+        raise SkipKVError(f"{where}: {exc}") from None
 
 
 def _payload(tr: TracedRun, key: tuple[str, int]) -> dict[str, Any]:
@@ -122,23 +141,37 @@ def write_pages(dirs: list[Path], out: Path | None = None, example_id: str | Non
     plus an index.html linking them. Returns the example pages' paths."""
     if not 1 <= len(dirs) <= 2:
         raise SkipKVError(f"show: give one or two run dirs, got {len(dirs)}")
+    out = _check_out(out, Path(dirs[0]) / "show")  # before any run is read: a bad --out fails at once
     runs = [load_traced(Path(d)) for d in dirs]
     keys = _common_keys(runs, example_id)
-    out = Path(out) if out is not None else Path(dirs[0]) / "show"
     out.mkdir(parents=True, exist_ok=True)
+    (out / SHOW_MARKER).touch()
     samples = max(k[1] for k in keys) + 1
     pages = []
     for key in keys:
         path = out / _page_name(key, samples)
-        path.write_text(render_page(runs, key), encoding="utf-8")
+        write_atomic(path, render_page(runs, key))
         pages.append(path)
     items = "\n".join(f'<li><a href="{html.escape(p.name)}">{html.escape(k[0])}'
                       f'{f" sample {k[1]}" if samples > 1 else ""}</a></li>' for k, p in zip(keys, pages))
     heading = html.escape(" vs ".join(f"{tr.label} ({tr.run.path.name})" for tr in runs))
-    (out / "index.html").write_text(f"<!doctype html><meta charset='utf-8'><title>{heading}</title>"
-                                    f"<body style='font-family:sans-serif'><h1>{heading}</h1><ul>{items}</ul>",
-                                    encoding="utf-8")
+    write_atomic(out / "index.html", f"<!doctype html><meta charset='utf-8'><title>{heading}</title>"
+                                     f"<body style='font-family:sans-serif'><h1>{heading}</h1><ul>{items}</ul>")
     return pages
+
+
+SHOW_MARKER = ".skipkv-show"  # in every folder `show` writes: it may overwrite its own pages there, nothing else
+
+
+def _check_out(out: str | Path | None, default: Path) -> Path:
+    """The pages' folder: not empty text, not a file, writable, and either new, empty, the default RUN_DIR/show,
+    or a folder `show` wrote before (its marker): show never overwrites an index.html it did not write."""
+    if out is None:
+        return check_dir(default, "show --out")
+    path = check_dir(out, "show --out")
+    if path.is_dir() and any(path.iterdir()) and not (path / SHOW_MARKER).exists():
+        raise SkipKVError(f"show --out {path} is a folder that holds other files; give a new or empty folder")
+    return path
 
 
 _TEMPLATE = r"""<!doctype html>

@@ -74,13 +74,14 @@ class SteeringFile:
                 keys = set(f.keys())
         except Exception:  # safetensors raises several types for a file that is not one
             raise SkipKVError(f"{path} is not a steering file (safetensors written by skipkv steer build)") from None
-        try:
-            meta = {k: json.loads(v) for k, v in raw.items()}
-        except ValueError:
-            raise SkipKVError(f"{path}: steering metadata is not JSON") from None
+        from skipkv.files import parse_json
+        from skipkv.files.schemas import validate
+
+        meta = {k: parse_json(v, f"{path}: metadata {k[:40]!r}", "steering_meta") for k, v in raw.items()}
         missing = [k for k in _REQUIRED if k not in meta]
         if missing or meta.get("format") != FORMAT:
             raise SkipKVError(f"{path} is not a steering file (missing {missing[0] if missing else 'format'})")
+        validate("steering_meta", meta, f"{path}: metadata")
         absent = [L for L in meta["layers"] if f"layer_{L}" not in keys]
         if absent:
             raise SkipKVError(f"{path}: metadata lists layer {absent[0]} but the file has no vector for it")

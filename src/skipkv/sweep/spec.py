@@ -15,8 +15,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from skipkv.errors import SkipKVError
 
 # Top-level YAML keys -> one-line description (used by the unknown-key error and --help epilog).
@@ -316,15 +314,7 @@ def ray_resources(raw: Mapping[str, Any]) -> dict[str, float]:
 
 def load_sweep(path: Path | str) -> tuple[dict[str, Any], list[Cell]]:
     """Read a sweep YAML -> (the parsed mapping, its cells). `out` is relative to the current directory."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SkipKVError(f"sweep: cannot read {path}: {exc.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise SkipKVError(f"sweep: {path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    from skipkv.files import read_yaml
+
+    raw = read_yaml(Path(path), "sweep")  # bounded, no aliases, no key given twice; a mapping
     return raw, expand_sweep(raw, Path.cwd())

@@ -17,7 +17,6 @@ cannot be read, no cell shows as being written and a partial one shows as partia
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -85,9 +84,11 @@ def _writer(out: Path, holders: Mapping[tuple[int, int, int], int]) -> int | Non
 
 def _summary_complete(out: Path) -> tuple[bool, int | None]:
     """(summary.json's `complete`, its `n`); (False, None) when it is missing or unreadable."""
+    from skipkv.files import read_json
+
     try:
-        summary = json.loads((out / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        summary = read_json(out / SUMMARY_FILE, "summary")
+    except SkipKVError:
         return False, None
     if not isinstance(summary, dict):
         return False, None
