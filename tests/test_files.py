@@ -105,8 +105,9 @@ HOSTILE = [
      "prompt_len"),
     (read_traces, "traces.jsonl", json.dumps({"id": "a", "sample": 0, "trace": {
         **tiny_trace(2), "evicted": {**tiny_trace(2)["evicted"], "shape": [1, 1, 9]}}}), "shape"),
-    (_sweep, "s.yaml", "a: &x [1, 2]\nb: *x\n", "anchor"),
-    (_sweep, "s.yaml", "lol: &a [x, x]\nl2: &b [*a, *a]\n", "anchor"),
+    (_sweep, "s.yaml", "a: &x {k: 1}\nb: {<<: *x}\n", "merge keys"),
+    (_sweep, "s.yaml", "l0: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"m{i}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(6)), "alias bomb"),
     (_sweep, "s.yaml", "model: m\nmodel: n\n", "given twice"),
     (_sweep, "s.yaml", "base: {model: m}\ncells:\n  - {policy: rkv, policy: h2o}\n", "given twice"),
     (_sweep, "s.yaml", "<<: {model: m}\n", "merge keys"),

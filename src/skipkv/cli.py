@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("skipkv.eval.cli", "evaluate a policy on a benchmark (resumable)"),
     "sweep": ("skipkv.sweep", "run an eval grid (dataset x policy x budget x seed) from a YAML file"),
     "report": ("skipkv.report.cli", "tables and plots from run dirs (reads records; runs no model)"),
+    "pack": ("skipkv.report.cli",
+             "slim and compress finished run dirs' records (each prompt -> its sha256; gzip), read transparently"),
     "show": ("skipkv.report.cli", "HTML pages of what the cache kept, per example (runs traced with --trace)"),
     "bench": ("skipkv.bench.cli", "benchmarks (tables + JSON)"),
     "steer": ("skipkv.eval.steer_cli", "steering vectors (SEAL / SkipKV)"),

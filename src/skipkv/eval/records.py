@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from skipkv.errors import SkipKVError
-from skipkv.files import count_lines, parse_json, read_bytes, split_lines
+from skipkv.files import count_lines, packed, parse_json, read_bytes, split_lines
 
 
 def _key(record: dict[str, Any]) -> tuple[str, int]:
@@ -51,9 +51,16 @@ class RecordStore:
         self._load()
 
     def _load(self) -> None:
-        if not self.path.exists():
+        self._packed = not self.path.exists() and packed(self.path).exists()  # a finished run, `skipkv pack`ed
+        if not self.path.exists() and not self._packed:
             return
         data = read_bytes(self.path, "records")
+        if self._packed:  # written whole by `pack`: no torn tail to repair
+            for num, _pos, line in split_lines(data):
+                record = _parse(line, self.path, num, "records")
+                self._keys.add(_key(record))
+                self._records.append(record)
+            return
         count_lines(data, self.path, "records")
         good_end = 0  # byte offset just past the last complete, valid line
         for num, pos, line in split_lines(data):
@@ -97,6 +104,8 @@ class RecordStore:
         key = _key(record)
         if key in self._keys:
             raise SkipKVError(f"record {key[0]!r} sample {key[1]} is already in {self.path}")
+        if self._packed:
+            self._unpack()
         line = json.dumps(record, ensure_ascii=False) + "\n"
         # One write call per line, opened in append mode: concurrent readers never see a partial record
         # except at a crash, which _load repairs.
@@ -106,6 +115,19 @@ class RecordStore:
             os.fsync(f.fileno())
         self._keys.add(key)
         self._records.append(record)
+
+
+    def _unpack(self) -> None:
+        """A packed run grows again (a larger --limit): its records go back to plain records.jsonl first."""
+        data = read_bytes(self.path, "records")
+        tmp = self.path.with_suffix(".unpack")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        packed(self.path).unlink()
+        self._packed = False
 
 
 class TraceFile:

@@ -17,8 +17,10 @@ surrogate (a `\\ud800` escape) is refused, since no tokenizer can encode it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,15 +30,34 @@ from skipkv.files.schemas import validate
 from skipkv.files.text import check_text, walk_text
 from skipkv.files.yaml_loader import load_yaml
 
-__all__ = ["LIMITS", "FileError", "Limits", "check_text", "parse_json", "parse_json_line", "read_bytes",
+__all__ = ["LIMITS", "FileError", "Limits", "check_text", "exists", "packed", "parse_json", "parse_json_line",
+           "read_bytes",
            "count_lines", "read_json", "read_jsonl", "read_text", "read_yaml", "split_lines"]
 
+def packed(path: Path) -> Path:
+    """Where a finished run keeps `path` compressed (`skipkv pack`): the same name with ".gz" added."""
+    path = Path(path)
+    return path.with_name(path.name + ".gz")
+
+
+def exists(path: Path) -> bool:
+    """Whether `path` exists as it is or compressed (`packed`)."""
+    return Path(path).exists() or packed(path).exists()
+
+
 def read_bytes(path: Path, kind: str) -> bytes:
-    """The whole file, refused past its kind's size limit before it is read."""
+    """The whole file, refused past its kind's size limit before it is read. A file that exists only compressed
+    (`packed(path)`, gzip) is read through gzip, the limit applying to what it holds."""
     lim = _limits(kind)
+    path = Path(path)
+    opener: Any = open
+    if not path.exists() and packed(path).exists():
+        path, opener = packed(path), gzip.open
     try:
-        with open(path, "rb") as f:
+        with opener(path, "rb") as f:
             data = f.read(lim.file_bytes + 1)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise FileError(f"{path}: not a complete gzip file ({exc})") from None
     except IsADirectoryError:
         raise FileError(f"{path}: is a folder, not a file") from None
     except OSError as exc:

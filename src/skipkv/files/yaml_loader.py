@@ -1,7 +1,8 @@
-"""The strict YAML loader behind `skipkv.files.read_yaml`: PyYAML's safe loader without anchors, aliases
-or merge keys (an alias bomb expands a few hundred bytes into gigabytes), refusing a key given twice (YAML
-says keys are unique; PyYAML silently keeps the last), a nesting deeper than the limit and an over-long
-number. Errors name the file and line.
+"""The strict YAML loader behind `skipkv.files.read_yaml`: PyYAML's safe loader with anchors and aliases allowed
+only while the document they expand to stays small (an alias bomb expands a few hundred bytes into gigabytes; a
+config naming one list twice, as benchmarks/results_skipkv_prereg.yaml does, is valid YAML and is read), without
+merge keys, refusing a key given twice (YAML says keys are unique; PyYAML silently keeps the last), a nesting
+deeper than the limit and an over-long number. Errors name the file and line.
 
     python -c "from skipkv.files.yaml_loader import load_yaml; from skipkv.files import LIMITS; \\
         print(load_yaml('a: 1', 'x.yaml', LIMITS['sweep']))"
@@ -28,10 +29,6 @@ class _StrictLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            raise _error(self.where, event.start_mark, f"alias *{event.anchor} (anchors and aliases are not allowed)")
-        if getattr(event, "anchor", None) is not None:
-            raise _error(self.where, event.start_mark, f"anchor &{event.anchor} (anchors and aliases are not allowed)")
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             if self._depth > self.limits.depth:
@@ -74,13 +71,38 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:int", _int)
 _StrictLoader.add_constructor("tag:yaml.org,2002:float", _float)
 
 
+# Nodes a document may expand to with every alias replaced by what it names (a sweep config has a few hundred).
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded(node: Any, memo: dict[int, int]) -> int:
+    """Nodes of `node` with every alias expanded, counted without expanding: an alias is the same node object
+    wherever it appears, so each distinct node is sized once. (Recursion: bounded by the nesting limit.)"""
+    if id(node) in memo:
+        return memo[id(node)]
+    n = 1
+    if isinstance(node, yaml.SequenceNode):
+        n += sum(_expanded(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n += sum(_expanded(k, memo) + _expanded(v, memo) for k, v in node.value)
+    memo[id(node)] = n
+    return n
+
+
 def load_yaml(text: str, where: str, limits: Limits) -> Any:
     """One YAML document from `text` (`where` names it in errors)."""
     loader = None
     try:
         loader = _StrictLoader(text)  # the reader refuses unprintable characters here already
         loader.where, loader.limits = where, limits
-        return loader.get_single_data()
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded(node, {})
+        if size > MAX_EXPANDED_NODES:
+            raise _error(where, None, f"its anchors and aliases expand to {size:,} nodes (at most "
+                                      f"{MAX_EXPANDED_NODES:,}: an alias bomb would exhaust memory)")
+        return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         raise _error(where, exc.problem_mark, f"not valid YAML ({exc.problem})") from None
     except yaml.YAMLError as exc:

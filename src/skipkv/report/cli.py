@@ -22,6 +22,9 @@ def _dir(text: str) -> Path:
     return Path(text)
 
 
+PACK_HELP = "slim and compress finished run dirs' records (each prompt -> its sha256; gzip), read transparently"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from skipkv.report.tables import FORMATS
 
@@ -35,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="terminal: print tables; md: write report.md + PNGs; both (default)")
     p.set_defaults(func=_main)
 
+    p = sub.add_parser("pack", help=PACK_HELP, description=PACK_HELP)
+    p.add_argument("dirs", nargs="+", type=_dir, metavar="DIR",
+                   help="finished run dirs, or folders searched for them")
+    p.add_argument("--dry-run", action="store_true", help="say what would be packed, change nothing")
+    p.set_defaults(func=_pack)
     p = sub.add_parser("show", help="HTML pages of what the cache kept, per example (runs traced with --trace)",
                        description="Write one self-contained HTML page per example of a run traced with "
                                    "`skipkv eval --trace`: tokens shaded by retention, a compression replay "
@@ -52,6 +60,29 @@ def _show(args: argparse.Namespace) -> int:
     pages = write_pages(list(args.dirs), args.out, args.example_id)
     print(f"wrote {len(pages)} page{'s' if len(pages) != 1 else ''} -> {pages[0].parent}"
           + (f" (open {pages[0]})" if len(pages) == 1 else " (index.html lists them)"))
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from skipkv.report.pack import finished, pack, run_dirs
+
+    dirs = sorted({d for root in args.dirs for d in run_dirs(root)})
+    if not dirs:
+        where = ", ".join(map(str, args.dirs))
+        raise SkipKVError(f"pack: no run dirs (config.json + records.jsonl) at or below {where}")
+    before = after = done = skipped = 0
+    for d in dirs:
+        if (d / "records.jsonl").exists() and not finished(d):
+            print(f"{d}: skipped, not finished (no summary.json saying complete)")
+            skipped += 1
+            continue
+        got = pack(d, dry_run=args.dry_run)
+        if got is None:
+            continue
+        before, after, done = before + got.before, after + got.after, done + 1
+        print(f"{d}: {got.before:,} -> {got.after:,} bytes ({got.prompts} prompts hashed)")
+    verb = "would pack" if args.dry_run else "packed"
+    print(f"{verb} {done} of {len(dirs)} run dirs ({skipped} not finished): {before:,} -> {after:,} bytes of records")
     return 0
 
 

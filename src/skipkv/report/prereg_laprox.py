@@ -37,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from skipkv.files import exists, read_bytes
 from skipkv.report.stats import bootstrap, holm, mcnemar_exact, wilson
 
 AGAINST = "laprox"
@@ -61,10 +62,10 @@ def load(root: Path) -> dict[str, dict[str, dict[str | None, dict[tuple[str, str
         if not cell or not block:
             continue
         slot = grid[block["set"]][cell["label"]][cell["ratio"]]
-        records = d / "records.jsonl"
-        if not records.is_file():
+        records = d / "records.jsonl"  # or records.jsonl.gz (`skipkv pack`)
+        if not exists(records):
             continue
-        for line in records.read_text().splitlines():
+        for line in read_bytes(records, "records").decode().splitlines():
             if line.strip():
                 r = json.loads(line)
                 slot[(d.parent.name, r["id"])] = r

@@ -26,6 +26,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from skipkv.files import exists, read_bytes
 from skipkv.report.stats import bootstrap, holm, mcnemar_exact, wilson
 
 CELL = re.compile(r"^(?P<label>.+?)(?:-b(?P<budget>\d+))?-s\d+$")
@@ -47,8 +48,8 @@ def load(root: Path) -> dict:
         if not cell or not block:
             continue
         slot = grid[block["set"]][(cell["label"], cell["budget"])]
-        records = d / "records.jsonl"
-        for line in records.read_text().splitlines() if records.is_file() else []:
+        records = d / "records.jsonl"  # or records.jsonl.gz (`skipkv pack`)
+        for line in read_bytes(records, "records").decode().splitlines() if exists(records) else []:
             if line.strip():
                 r = json.loads(line)
                 slot[(int(block["block"]), r["id"])] = r

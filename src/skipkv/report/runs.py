@@ -115,8 +115,10 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     means the file is corrupt and raises. A record repeated by (id, sample) keeps its last copy, so a
     resumed run that re-finished an example is not counted twice.
     """
+    from skipkv.files import exists
+
     notes: list[str] = []
-    if not path.exists():
+    if not exists(path):
         return [], [f"{path.parent}: no {RECORDS_FILE}"]
     from skipkv.files import count_lines, parse_json, read_bytes, split_lines
     from skipkv.files.schemas import validate
@@ -150,7 +152,9 @@ def _read_json(path: Path, kind: str) -> dict[str, Any]:
 
 def is_run_dir(path: Path) -> bool:
     # config.json alone is not enough: a saved HF model folder has one too.
-    return (path / CONFIG_FILE).is_file() and ((path / RECORDS_FILE).exists() or (path / SUMMARY_FILE).exists())
+    from skipkv.files import exists
+
+    return (path / CONFIG_FILE).is_file() and (exists(path / RECORDS_FILE) or (path / SUMMARY_FILE).exists())
 
 
 def find_run_dirs(paths: Iterable[Path]) -> list[Path]:
