@@ -165,7 +165,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         if ctx.accumulate:
             # H2O: the attention each key receives, summed in query blocks, so no [T, T] matrix per head is held
             # (at 8K the whole one made the prefill 14x the full cache's, 563 vs 39 s; blocked, 5.3x: 290 vs
-            # 55 s, benchmarks/prefill_time.py; the rest is the fp32 product of every query with every key).
+            # 55 s, benchmarks/probes/prefill_time.py; the rest is the fp32 product of every query with every key).
             _accumulate_causal(ctx, layer, query, key, scaling)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
@@ -181,14 +181,14 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     # Grouped attention: the G query heads of a kv head share one matmul against its keys. torch's SDPA with
     # `enable_gqa` and a mask falls back on CPU to a path that repeats K/V per query head, which made a decode
     # step 10x slower at 4K cached tokens (63 vs 6.3 ms per 24 layers, Qwen2.5-0.5B shape; see
-    # benchmarks/attention_gqa.py). q.k and the softmax are computed in fp32: a bf16 q.k rounds the logits, and
+    # benchmarks/probes/attention_gqa.py). q.k and the softmax are computed in fp32: a bf16 q.k rounds the logits, and
     # greedy outputs drifted apart from transformers' after ~90 tokens. p.V takes the probabilities in the model's
     # dtype, as torch's fused CPU kernel does (_probs_times_values).
     # A forward of many queries over many keys (the rest of each prompt after a shared prefix, a later prefill
     # chunk) runs in blocks of rows whose fp32 logits stay within GROUPED_BLOCK_BYTES (one row at least). 50
     # MATH-500 prompts in the r1think recipe (~1K tokens, one of 1675, padded to it past a shared prefix) held
     # several [50, 2, 7*T, K] fp32 tensors at once: a 19.4 GiB peak, and two such runs could not share 23.5 GiB
-    # (25 of them: 9.9 GiB peak whole, 8.1 GiB blocked, benchmarks/grouped_blocks_ab.py; all 50 blocked:
+    # (25 of them: 9.9 GiB peak whole, 8.1 GiB blocked, benchmarks/probes/grouped_blocks_ab.py; all 50 blocked:
     # 10.3 GiB). Each row's products are the same matmuls either way: the same bits (tests/test_share_prefix.py).
     per_row = Hq * T * K * 4
     step = max(1, GROUPED_BLOCK_BYTES // per_row) if T > 1 else B

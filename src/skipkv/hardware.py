@@ -29,27 +29,28 @@ of host time per call, 67 ms of a 97 ms decode step of a 7B model at batch 1, wh
 6 ms (benchmarks/gpu_profile.py; transformers' own generate pays the same). The engine's forwards therefore run
 with cuDNN excluded (flash, then memory-efficient, then math); `SKIPKV_CUDNN_SDPA=1` gives torch its own choice.
 
-Probabilities x V in the grouped path (`decode_pv`): q.k and the softmax run in fp32 (the logits of a bf16 q.k would
-be rounded to bf16); the probabilities are then rounded to the model's 16-bit dtype and multiplied with the 16-bit
-values directly, as torch's fused CPU kernel does (its p.V gemm takes the probabilities in the input dtype). That
-skips converting every cached value to fp32 in every layer and step. On a 2-core EPYC with AVX512-BF16, at batch 64
-and 288 keys (R-KV 256 under a 1 GiB cap), the product alone took 0.25 instead of 0.56 ms per layer on random
-contiguous tensors (benchmarks/attention_batch64_probe.py); whole decode steps gained little (A/B step times,
-benchmarks/decode_pv_ab.py: 1.040x, 0.944x, 0.977x in three runs, within the machine's noise). The default follows the
-fused kernel's numerics as much as its speed. fp32 and fp64 models are unaffected. `SKIPKV_DECODE_PV=fp32` keeps the
-older all-fp32 product (runs begun with it resume only with it: eval/rundir.py compares the kernel of 16-bit runs).
+Probabilities x V in the grouped path (`decode_pv`): q.k and the softmax run in fp32 (the logits of a bf16 q.k would be
+rounded to bf16); the probabilities are then rounded to the model's 16-bit dtype and multiplied with the 16-bit values
+directly, as torch's fused CPU kernel does (its p.V gemm takes the probabilities in the input dtype). That skips
+converting every cached value to fp32 in every layer and step. On a 2-core EPYC with AVX512-BF16, at batch 64 and 288
+keys (R-KV 256 under a 1 GiB cap), the product alone took 0.25 instead of 0.56 ms per layer on random contiguous tensors
+(benchmarks/probes/attention_batch64_probe.py); whole decode steps gained little (A/B step times,
+benchmarks/probes/decode_pv_ab.py: 1.040x, 0.944x, 0.977x in three runs, within the machine's noise). The default
+follows the fused kernel's numerics as much as its speed. fp32 and fp64 models are unaffected. `SKIPKV_DECODE_PV=fp32`
+keeps the older all-fp32 product (runs begun with it resume only with it: eval/rundir.py compares the kernel of 16-bit
+runs).
 
 Key buckets for the 16-bit p.V (`pv_buckets`): oneDNN creates a primitive for every new shape of a 16-bit matmul and
 caches it by shape. A decode step's p.V has a new key count at every step (the cache grows by one entry), and in every
-layer where layers keep different counts (LaProx, PyramidKV, head-split stores). On a 2-core EPYC a new shape cost
-~1 ms at batch 1 and ~28 ms at batch 64, against 0.1 and 1 ms for a cached one (`python benchmarks/bmm_shapes.py`).
-The product therefore runs over key_bucket(K) keys of the store, zero probabilities past K: the padding adds exact
-zeros to every sum, and a probe at first use checks that this machine's matmul gives the same bits with it on ~80
-decode-step shapes; where it does not, the padding is off. On the EPYC bf16 gave the same bits on all 1,163 shapes of
-`python benchmarks/pv_padding_bits.py`, fp16 not on 130 of them (a probe of 8 shapes had missed it), so the padding
-is for bf16 only (what `auto` picks), whatever a probe says. Decode step on a 2,048-token prompt,
-fresh processes, two rounds each: LaProx (10%) at batch 1 112.4 -> 76.4 ms (0.68x), full cache at batch 1 83.5 ->
-72.1 ms (0.86x), full cache at batch 16 0.98x (`python benchmarks/pv_buckets_ab.py`). `SKIPKV_DECODE_PV_BUCKETS=0|1`
+layer where layers keep different counts (LaProx, PyramidKV, head-split stores). On a 2-core EPYC a new shape cost ~1 ms
+at batch 1 and ~28 ms at batch 64, against 0.1 and 1 ms for a cached one (`python benchmarks/probes/bmm_shapes.py`). The
+product therefore runs over key_bucket(K) keys of the store, zero probabilities past K: the padding adds exact zeros to
+every sum, and a probe at first use checks that this machine's matmul gives the same bits with it on ~80 decode-step
+shapes; where it does not, the padding is off. On the EPYC bf16 gave the same bits on all 1,163 shapes of
+`python benchmarks/probes/pv_padding_bits.py`, fp16 not on 130 of them (a probe of 8 shapes had missed it), so the
+padding is for bf16 only (what `auto` picks), whatever a probe says. Decode step on a 2,048-token prompt, fresh
+processes, two rounds each: LaProx (10%) at batch 1 112.4 -> 76.4 ms (0.68x), full cache at batch 1 83.5 -> 72.1 ms
+(0.86x), full cache at batch 16 0.98x (`python benchmarks/probes/pv_buckets_ab.py`). `SKIPKV_DECODE_PV_BUCKETS=0|1`
 overrides the probe.
 
 Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
@@ -64,17 +65,17 @@ linears instead multiply in fp32 with weights upcast once (models/packed.py, Upc
 bf16 numbers is exact in fp32, sums run in fp32 and the output is rounded to bf16 once, which is what a native bf16
 kernel computes too (fp32 accumulation; only the order of the sums differs, as between any two processors'
 kernels). Activations, the KV cache and its bytes stay bf16; the weights take twice the memory. Measured on a
-2-core EPYC without AVX512 (AVX2 only) by `benchmarks/upcast_ab.py` (docs/benchmarks.md): prefill 4.64x, decode
+2-core EPYC without AVX512 (AVX2 only) by `benchmarks/probes/upcast_ab.py` (docs/benchmarks.md): prefill 4.64x, decode
 1.17x at batch 1 and 1.99x at batch 8, greedy tokens identical. `SKIPKV_UPCAST_LINEARS=1|0` overrides.
 
 Linear weights of an fp32 model (`transposed_linears`): on an x86 CPU with AVX2 and without AVX512 (where `auto`
 picks fp32), every linear stores its weight once, transposed to (in, out), and multiplies `x @ W^T` (models/packed.py,
 TransposedLinear): MKL's sgemm is faster on that layout. A 2-core AMD EPYC without AVX512, Qwen2.5-Coder-0.5B, one
-thread, each variant in a process of its own, 4 rounds alternating (`benchmarks/upcast_ab.py --variants
+thread, each variant in a process of its own, 4 rounds alternating (`benchmarks/probes/upcast_ab.py --variants
 fp32,fp32-transposed --fresh`, docs/benchmarks.md): prefill 1.06x, decode 1.17x at batch 1, 1.28x at 4, 1.14x at
 16, 1.12x at 48, faster in every round, greedy tokens identical. From 4 rows on the bits are those of `F.linear`;
 with 1-3 rows MKL sums in another order, as it does with either layout between 3 rows and 4
-(benchmarks/layout_bits.py). Not measured on a CPU with AVX512, so off there. `SKIPKV_TRANSPOSED_LINEARS=1|0`
+(benchmarks/probes/layout_bits.py). Not measured on a CPU with AVX512, so off there. `SKIPKV_TRANSPOSED_LINEARS=1|0`
 overrides.
 
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
@@ -87,7 +88,7 @@ on, the two pre-registered sweep processes had spent 27-31% of their CPU time in
 /proc/PID/stat). On Linux with glibc the process now keeps freed memory in its heap for reuse instead (mallopt: no
 mmap-served chunks, no heap trimming). 32 prompts of 300 tokens, R-KV, alternating fresh processes, median of two
 each: system CPU 9.2 -> 2.0 s, prefill 28.1 -> 25.4 s (1.11x), decode 1.03x, greedy tokens identical
-(`python benchmarks/allocator_ab.py --rounds 2`; docs/results/allocator/). The page-fault cost varies with the
+(`python benchmarks/probes/allocator_ab.py --rounds 2`; docs/results/allocator/). The page-fault cost varies with the
 host's state, so the gain does too. The cost: the process keeps its peak heap until it exits, as a caching allocator
 does (peak RSS 3,272 vs 3,219 MiB in that run). `SKIPKV_MALLOC=system` leaves glibc's defaults; every environment
 record says which ran (`allocator`).

@@ -34,7 +34,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's largest logit: `logits.float().argmax(-1)`, read in the logits' own dtype
     (widening to fp32 is exact, so the largest entries and their order are the same). `max(dim)` rather than
     `argmax`: both return the first maximal index, and on a 16-bit CPU tensor `max` is faster. With the fp32 copy
-    skipped, a [64, 151936] bf16 block took 2.7-3.4x less time (~14 ms less; benchmarks/greedy_pick.py); in whole
+    skipped, a [64, 151936] bf16 block took 2.7-3.4x less time (~14 ms less; benchmarks/probes/greedy_pick.py); in whole
     batch-64 decode steps the difference was within the machine's noise (`greedy_pick.py --engine`)."""
     return logits.max(dim=-1).indices
 

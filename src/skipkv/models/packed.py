@@ -72,10 +72,10 @@ class PackedLinear(torch.nn.Module):
 class TransposedLinear(torch.nn.Module):
     """`torch.nn.Linear` with its weight stored once in fp32, transposed: (in, out) contiguous, multiplied as
     `x @ W^T` (`addmm` with the bias). On the AVX2-only AMD EPYC it was measured on, MKL's sgemm is faster on that
-    layout than on `F.linear`'s (out, in) (benchmarks/upcast_ab.py, docs/benchmarks.md); from 4 rows on the two
-    give the same bits (both are MKL's gemm with the other operand transposed; benchmarks/layout_bits.py). Below 4
-    rows MKL takes a gemv path whose order of sums depends on the layout, so those bits differ from `F.linear`'s,
-    as they already differ between 3 rows and 4 with either layout.
+    layout than on `F.linear`'s (out, in) (benchmarks/probes/upcast_ab.py, docs/benchmarks.md); from 4 rows on the
+    two give the same bits (both are MKL's gemm with the other operand transposed; benchmarks/probes/layout_bits.py).
+    Below 4 rows MKL takes a gemv path whose order of sums depends on the layout, so those bits differ from
+    `F.linear`'s, as they already differ between 3 rows and 4 with either layout.
 
     This class is the fp32 model's linear (hardware.transposed_linears): there the transposed copy is the only
     one, and where `keep_dense` (see KEEP_DENSE) `weight` is its (out, in) view, which reads as the nn.Linear
@@ -111,8 +111,8 @@ class UpcastLinear(TransposedLinear):
 
     The fp32 copy is stored transposed, (in, out) contiguous, as TransposedLinear's: on the AVX2-only AMD EPYC
     where this path runs, decode 1.12-1.31x at batch 1-48 and prefill 1.07x on the 0.5B model against the
-    (out, in) `F.linear`, the same greedy tokens (`benchmarks/upcast_ab.py --variants upcast-rowmajor,upcast`,
-    docs/benchmarks.md), and the same bits from 4 rows on (benchmarks/layout_bits.py)."""
+    (out, in) `F.linear`, the same greedy tokens (`benchmarks/probes/upcast_ab.py --variants upcast-rowmajor,upcast`,
+    docs/benchmarks.md), and the same bits from 4 rows on (benchmarks/probes/layout_bits.py)."""
 
     def _dense(self, linear: torch.nn.Linear) -> torch.Tensor:
         return linear.weight

@@ -76,7 +76,7 @@ def key_redundancy(keys: torch.Tensor, threshold: float = 0.5,
     most recent j with similarity > threshold is spared (set to 0); then softmax over j of the row mean.
     A row with no similar key spares column 0, as the reference does. Rows are taken in blocks of about
     `block_bytes` of similarities, so the [n, n] matrix (512 MiB for two heads at n = 8192) never exists at
-    once; 2.2x faster than the whole matrix at n = 8192 on one CPU core (benchmarks/key_redundancy.py).
+    once; 2.2x faster than the whole matrix at n = 8192 on one CPU core (benchmarks/probes/key_redundancy.py).
     """
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)

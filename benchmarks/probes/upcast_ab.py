@@ -1,9 +1,9 @@
 """bf16 on a CPU without a bf16 matmul: torch's emulated bf16 linears vs fp32 products of upcast weights
 (hardware.upcast_linears, models/packed.py UpcastLinear), on the real model through the public `generate`.
 
-    OMP_NUM_THREADS=1 python benchmarks/upcast_ab.py --prompt-tokens 256 --new-tokens 16 --batches 1,8 \
+    OMP_NUM_THREADS=1 python benchmarks/probes/upcast_ab.py --prompt-tokens 256 --new-tokens 16 --batches 1,8 \
         --rounds 2 --out docs/results/upcast/upcast_ab_epyc_avx2.json
-    OMP_NUM_THREADS=1 python benchmarks/upcast_ab.py --variants upcast-rowmajor,upcast --batches 1,4,16,48 ...
+    OMP_NUM_THREADS=1 python benchmarks/probes/upcast_ab.py --variants upcast-rowmajor,upcast --batches 1,4,16,48 ...
 
 `--variants A,B` picks the two compared (B's speedup over A): `emulated` (SKIPKV_UPCAST_LINEARS=0), `upcast`
 (UpcastLinear as it is: the fp32 weight stored (in, out)) and `upcast-rowmajor` (the same products with the

@@ -4,7 +4,7 @@ under R-KV (budget 256, interval 32; the prompt compressed at prefill), then tim
 Reports per run: prefill seconds, decode ms/step, the process's user and system CPU seconds, peak RSS, and whether
 its greedy tokens equal the first run's (they must: the allocator moves no arithmetic). Writes one JSON.
 
-    python benchmarks/allocator_ab.py [--requests 32] [--prompt-tokens 300] [--decode-steps 64] [--rounds 2] \
+    python benchmarks/probes/allocator_ab.py [--requests 32] [--prompt-tokens 300] [--decode-steps 64] [--rounds 2] \
         [--out FILE.json]
 """
 

@@ -1,6 +1,6 @@
 """Micro-benchmark: one decode step's attention over 24 layers, torch SDPA (enable_gqa + mask) vs grouped matmul.
 
-    python benchmarks/attention_gqa.py
+    python benchmarks/probes/attention_gqa.py
 
 Qwen2.5-0.5B attention shape (2 kv heads x 7 query heads each, head dim 64), bf16, batch 1, one query.
 This is why `skipkv.attention` runs masked forwards as a grouped matmul instead of SDPA; it computes it in
@@ -9,6 +9,7 @@ fp32 (grouped fp32), which keeps bf16 outputs token-for-token equal to transform
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -34,6 +35,7 @@ def grouped_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     for K in (256, 1024, 4096):
         q = torch.randn(B, H * G, 1, D, dtype=torch.bfloat16)

@@ -3,7 +3,7 @@ past K) leaves its bits unchanged on this machine, over many more shapes than th
 first use: batch x kv heads, query rows and key counts of decode steps (batch 1 and 64, one and eight query rows,
 keys from 1 to ~9K).
 
-    python benchmarks/pv_padding_bits.py [--dtype bf16] [--out FILE.json]
+    python benchmarks/probes/pv_padding_bits.py [--dtype bf16] [--out FILE.json]
 """
 
 from __future__ import annotations

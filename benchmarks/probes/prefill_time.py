@@ -1,6 +1,6 @@
 """Prefill + compression time per policy on one long prompt (issue 10: what each policy costs at prefill).
 
-    OMP_NUM_THREADS=1 python benchmarks/prefill_time.py --model qwen2.5-coder-0.5b-instruct --length 8192 \
+    OMP_NUM_THREADS=1 python benchmarks/probes/prefill_time.py --model qwen2.5-coder-0.5b-instruct --length 8192 \
         --budget-ratio 0.05 --repeats 2 --out docs/results/prefill_time_8k.json
 
 Each policy prefills the same needle prompt and produces one token (`max_new_tokens=1`) through the public

@@ -1,7 +1,7 @@
 """How fast this machine streams weights: memory bandwidth, and the bf16 linears of the 0.5B model's shapes at 1 and
 16 rows (oneDNN-prepacked as the engine runs them, and plain `F.linear`), in GB/s of weight read.
 
-    python benchmarks/linear_bandwidth.py --out docs/results/vllm_anchor/linear_bandwidth_epyc_zen5.json
+    python benchmarks/probes/linear_bandwidth.py --out docs/results/vllm_anchor/linear_bandwidth_epyc_zen5.json
 
 Random weights of each shape, called back to back: a weight that fits in the caches (the MLP's 8.7 MB) is read
 from them after the first call, so its rate is the kernel's, not DRAM's; the LM head (272 MB) and the 256 MB sum

@@ -2,7 +2,7 @@
 (/proc/self/statm) and the process's peak (ru_maxrss) after `load_model`. Checks that replacing the linears at
 load (models/packed.py: transposed fp32, upcast bf16) leaves the model's footprint where it was.
 
-    python benchmarks/load_memory.py --model qwen2.5-coder-0.5b-instruct --dtype fp32 \
+    python benchmarks/probes/load_memory.py --model qwen2.5-coder-0.5b-instruct --dtype fp32 \
         --out docs/results/upcast/load_memory_fp32_epyc_avx2.json
 
 Variants: `plain` (SKIPKV_TRANSPOSED_LINEARS=0, SKIPKV_UPCAST_LINEARS=0) and `replaced` (both 1: what this dtype

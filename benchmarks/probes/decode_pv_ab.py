@@ -4,7 +4,7 @@ decode steps timed in alternating blocks of `--block` steps, one setting then th
 cache sizes and the same machine noise. Each block of 32 steps holds exactly one compression (the requests decode
 in lockstep). Prints and writes the mean step time of each setting and their ratio.
 
-    python benchmarks/decode_pv_ab.py [--batch 64] [--rounds 3] [--out FILE.json]
+    python benchmarks/probes/decode_pv_ab.py [--batch 64] [--rounds 3] [--out FILE.json]
 """
 
 from __future__ import annotations

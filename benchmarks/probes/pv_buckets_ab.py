@@ -2,7 +2,7 @@
 a fresh process (oneDNN's primitive cache starts empty, as in a new server or eval), alternating the order every
 round. Grouped decode attention (SKIPKV_DECODE_SDPA=0, what a CPU without AMX picks), p.V in the model's dtype.
 
-    python benchmarks/pv_buckets_ab.py [--case laprox:budget_ratio=0.1@1 --case full@1 --case full@16]
+    python benchmarks/probes/pv_buckets_ab.py [--case laprox:budget_ratio=0.1@1 --case full@1 --case full@16]
         [--prompt-tokens 2048] [--steps 48] [--rounds 2] [--out FILE.json]
 
 A case is `policy spec@batch`. Prints and writes the mean decode step time of each setting per case and their ratio.

@@ -2,7 +2,7 @@
 at once (the previous implementation, kept here as the baseline), same keys, alternating rounds; median
 seconds and the largest difference.
 
-    OMP_NUM_THREADS=1 python benchmarks/key_redundancy.py --n 8192 --heads 2 --rounds 3
+    OMP_NUM_THREADS=1 python benchmarks/probes/key_redundancy.py --n 8192 --heads 2 --rounds 3
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ at every call (what a decode step sees: the cache grows by one entry per step, a
 counts per layer gives every layer its own K), and for the same new Ks again. Every call slices one preallocated
 buffer, so all three read the same memory.
 
-    python benchmarks/bmm_shapes.py [--batch 1 64] [--keys 256] [--calls 200] [--threads 0] [--out FILE.json]
+    python benchmarks/probes/bmm_shapes.py [--batch 1 64] [--keys 256] [--calls 200] [--threads 0] [--out FILE.json]
 
 A large "new K" column with a small "same Ks again" one is a per-shape setup cached by shape (oneDNN creates a
 primitive per shape for 16-bit matmuls); equal columns mean the product's cost does not depend on the shape's

@@ -7,7 +7,7 @@ It also checks each layout against itself across batch sizes: the first m rows o
 same m rows multiplied alone, for m = 1-64 (`batch_differ_at_rows`). Where those differ, an fp32 batch's tokens
 can differ from its requests' run alone in the last bits (README, "Padding never costs budget").
 
-    OMP_NUM_THREADS=1 python benchmarks/layout_bits.py --out docs/results/upcast/layout_bits_epyc_avx2.json
+    OMP_NUM_THREADS=1 python benchmarks/probes/layout_bits.py --out docs/results/upcast/layout_bits_epyc_avx2.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A shared prompt prefix prefilled once (EngineConfig.share_prefix) vs every prompt prefilled whole, on the real
 model with the r1think prompts (~950 tokens of exemplars before each question), through the public `generate`.
 
-    OMP_NUM_THREADS=1 python benchmarks/share_prefix_ab.py --examples 8 --configs 8:0,8:64 --new-tokens 32 \
+    OMP_NUM_THREADS=1 python benchmarks/probes/share_prefix_ab.py --examples 8 --configs 8:0,8:64 --new-tokens 32 \
         --rounds 1 --out docs/results/share_prefix/share_prefix_ab.json
 
 Prompts: GSM8K test problems from `--offset` (default 1200, the testbed's calibration slice, never reported).

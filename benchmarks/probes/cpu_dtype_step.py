@@ -1,6 +1,6 @@
 """Decode-step time of the random 0.5B shape in bf16 and fp32 at batch 1..32, one thread, HF's own cache.
 
-    OMP_NUM_THREADS=1 python benchmarks/cpu_dtype_step.py
+    OMP_NUM_THREADS=1 python benchmarks/probes/cpu_dtype_step.py
 
 Why `skipkv bench throughput --dtype auto` picks fp32 on CPU: without native bf16 matmul (AVX512-BF16/AMX)
 torch emulates it and a bf16 decode step stops gaining from batching at about batch 4 (docs/benchmarks.md).
@@ -8,6 +8,7 @@ torch emulates it and a bf16 decode step stops gaining from batching at about ba
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -18,6 +19,7 @@ from skipkv.models import load_model
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     print("| dtype | batch | step ms | tokens/s |\n|---|---:|---:|---:|")
     for dtype in ("bf16", "fp32"):

@@ -2,11 +2,12 @@
 under the 1 GiB cap, docs/benchmarks.md): the fp32 conversions and matmuls of the engine's grouped path for a CPU
 without AMX, against the same products in bf16. Random tensors; ms per layer, 2 threads.
 
-    python benchmarks/attention_batch64_probe.py
+    python benchmarks/probes/attention_batch64_probe.py
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -23,6 +24,7 @@ def timed(name: str, fn, n: int = 50) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     q = torch.randn(B, H, G, D, dtype=torch.bfloat16)

@@ -3,9 +3,9 @@
 different lengths (a mask), bf16, Qwen2.5-0.5B's shape (2 kv heads x 7 query heads, head dim 64), and its two
 batched matmuls alone.
 
-    python benchmarks/decode_attention_ops.py --batch 16 --keys 150 --threads 1 \
+    python benchmarks/probes/decode_attention_ops.py --batch 16 --keys 150 --threads 1 \
         --out docs/results/vllm_anchor/decode_attention_ops_epyc_zen5.json
-    python benchmarks/decode_attention_ops.py --sdpa-check --threads 2 --out FILE.json
+    python benchmarks/probes/decode_attention_ops.py --sdpa-check --threads 2 --out FILE.json
 
 --sdpa-check instead times one layer's attention (no append) with every key visible to every row (batch 1, or rows
 of equal length: where hardware.decode_sdpa chooses between torch's fused SDPA and the grouped matmul) at batch 1

@@ -1,6 +1,6 @@
 """Peak memory and bits of a multi-token grouped forward run whole vs in blocks of rows (attention.GROUPED_BLOCK_BYTES).
 
-    python benchmarks/grouped_blocks_ab.py --offset 205 --limit 25 --out /tmp/grouped_ab
+    python benchmarks/probes/grouped_blocks_ab.py --offset 205 --limit 25 --out /tmp/grouped_ab
 
 Runs the same `skipkv eval` twice in child processes, the second with attention.GROUPED_BLOCK_BYTES set to
 `--whole` (no blocking) and the first to `--block` (the default), in the pre-registered SkipKV grid's MATH-500

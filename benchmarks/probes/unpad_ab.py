@@ -1,7 +1,7 @@
 """The unpadded prefill (EngineConfig.unpad_prefill) against the padded one on the real model: do the greedy
 tokens stay the same, and how much sooner does the first token come?
 
-    python benchmarks/unpad_ab.py --examples 16 --new-tokens 128 --rounds 2 \
+    python benchmarks/probes/unpad_ab.py --examples 16 --new-tokens 128 --rounds 2 \
         --out docs/results/unpad/unpad_ab_gsm8k16.json
 
 Prompts: the first `--examples` GSM8K test questions in the chat template (the vLLM comparison's workload), all

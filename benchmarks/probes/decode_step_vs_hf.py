@@ -1,7 +1,7 @@
 """Per-step decode time at batch 1: one `Engine.step()` (full cache) against one transformers forward with its
 own `DynamicCache` plus the greedy pick, same prompt, same model, the two decodes interleaved step by step.
 
-    OMP_NUM_THREADS=1 python benchmarks/decode_step_vs_hf.py [--model qwen2.5-coder-0.5b-instruct] [--dtype fp32]
+    OMP_NUM_THREADS=1 python benchmarks/probes/decode_step_vs_hf.py [--model qwen2.5-coder-0.5b-instruct] [--dtype fp32]
 
 Whole-run tokens/s (`skipkv bench throughput --hf-reference`) mixes prefill, first-call costs and whatever
 else the machine does during a 15 s run; alternating single steps and taking the median of the per-step

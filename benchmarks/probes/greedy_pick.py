@@ -2,13 +2,13 @@
 argmax the sampler used to take, against `max(dim=-1).indices` on the logits as they are (engine/sampler.py's
 `greedy_tokens`). Both give the first index of each row's largest value. Random logits; ms per call, 2 threads.
 
-    python benchmarks/greedy_pick.py [--batch 64] [--vocab 151936] [--threads 2]
+    python benchmarks/probes/greedy_pick.py [--batch 64] [--vocab 151936] [--threads 2]
 
 With --engine, the same two picks in whole decode steps of the real model: 64 requests of 300 synthetic prompt
 tokens under R-KV (budget 256, interval 32), one process, alternating blocks of --block steps (each holds one
 compression at interval 32) between the old pick and the new; prints and (--out) writes the ms per step of each.
 
-    python benchmarks/greedy_pick.py --engine --rounds 4 [--out FILE.json]
+    python benchmarks/probes/greedy_pick.py --engine --rounds 4 [--out FILE.json]
 """
 
 from __future__ import annotations
