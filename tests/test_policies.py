@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, resolve_contract_knobs
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
@@ -27,7 +27,7 @@ KNOBS = dict(budget=24, window=4, interval=8)
 
 def knobs(name: str) -> dict:
     """The shared knobs, with what the policy declares it needs on the tiny model (`contract_knobs`)."""
-    return {**KNOBS, **POLICIES.get(name).contract_knobs}
+    return resolve_contract_knobs({**KNOBS, **POLICIES.get(name).contract_knobs})
 
 
 @pytest.mark.parametrize("name", DECODING)
@@ -77,7 +77,8 @@ def test_budget_respected_and_protected_tokens_survive(tiny, name):
 def test_budget_over_sequence_equals_full(tiny, name):
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     full = generate(tiny, PROMPTS, sp, make_policy("full"), EngineConfig(batch_size=4))
-    big = generate(tiny, PROMPTS, sp, make_policy(name, budget=4096, window=4, interval=64), EngineConfig(batch_size=4))
+    policy = make_policy(name, **{**knobs(name), "budget": 4096, "interval": 64})
+    big = generate(tiny, PROMPTS, sp, policy, EngineConfig(batch_size=4))
     assert [r.token_ids for r in big] == [r.token_ids for r in full]
     assert all(r.compressions == 0 for r in big)
 

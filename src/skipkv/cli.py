@@ -1,4 +1,5 @@
-"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer | serve.
+"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer | calibrate |
+serve.
 
     skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-new-tokens 50 --json "Hello"
     skipkv policies
@@ -26,6 +27,7 @@ COMMAND_MODULES = [
     "skipkv.report.cli",
     "skipkv.bench.cli",
     "skipkv.eval.steer_cli",
+    "skipkv.eval.calibrate",
     "skipkv.serve.cli",
 ]
 

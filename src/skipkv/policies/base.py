@@ -75,6 +75,8 @@ class Policy:
     needs: ClassVar[frozenset[str]] = frozenset()
     compresses: ClassVar[bool] = True
     model_wide: ClassVar[bool] = False
+    # False: the policy scores the whole prompt at once, and the runner refuses chunked prefill for it.
+    chunked_prefill: ClassVar[bool] = True
     # The README's row (`skipkv policies --markdown`): the paper, and what the policy keeps.
     paper: ClassVar[str] = "—"
     keeps: ClassVar[str] = ""
