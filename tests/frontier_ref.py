@@ -58,13 +58,13 @@ def snap_paper(queries: torch.Tensor, keys: torch.Tensor, h: int, w: int, kernel
 def proj_l1(values: torch.Tensor, o_weight: torch.Tensor, h: int, G: int) -> list[float]:
     """||W_o v||_1 of kv head h's tokens, averaged over its G query heads. values [H, n, D], o_weight [E, Hq*D]."""
     n, D = values.shape[1], values.shape[2]
-    E = o_weight.shape[0]
+    V, W = values[h].tolist(), o_weight.tolist()  # plain floats: the loops below index them
     out = []
     for j in range(n):
         tot = 0.0
         for g in range(G):
             c = (h * G + g) * D
-            tot += sum(abs(sum(float(values[h, j, d]) * float(o_weight[e, c + d]) for d in range(D))) for e in range(E))
+            tot += sum(abs(sum(V[j][d] * row[c + d] for d in range(D))) for row in W)
         out.append(tot / G)
     return out
 
