@@ -50,7 +50,7 @@ def calibration_text(name: str, text_file: str | None = None) -> tuple[str, str]
 def query_statistics(bundle, ids: list[int], segment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per layer and query head, over every token of `ids` read in segments: the mean pre-RoPE query per RoPE
     band (complex [L, Hq, F]) and the mean modulus per band ([L, Hq, F]); and q_proj fingerprints [L, 2]."""
-    from skipkv.policies.triattention import weight_fingerprint
+    from skipkv.policies.triattention import query_fingerprint
     from skipkv.scoring.trig import complex_pairs
 
     model = bundle.model
@@ -80,7 +80,7 @@ def query_statistics(bundle, ids: list[int], segment: int) -> tuple[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
-    fingerprint = torch.stack([weight_fingerprint(b.self_attn.q_proj.weight) for b in model.model.layers])
+    fingerprint = torch.stack([query_fingerprint(b.self_attn.q_proj, bundle.dtype) for b in model.model.layers])
     return total / len(ids), modulus / len(ids), fingerprint
 
 
