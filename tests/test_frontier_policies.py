@@ -234,7 +234,18 @@ def test_skipkv_tri_penalises_flagged_sentences_on_triattention_scores(monkeypat
     assert penalised, "no flagged sentence was penalised"
 
 
+def test_kvzip_is_listed_but_refused_in_one_line(capsys):
+    from skipkv.cli import main
+
+    assert POLICIES.get("kvzip").unavailable
+    with pytest.raises(SkipKVError, match="not runnable"):
+        make_policy("kvzip")
+    code = main(["generate", "--model", "random:qwen2", "--policy", "kvzip", "hello"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "kvzip is not runnable" in err
+
+
 def test_every_frontier_policy_is_registered():
     for name in ("criticalkv", "criticalkv_ada", "defensivekv", "layer_defensivekv", "expected_attention",
-                 "triattention", "skipkv_tri"):
+                 "triattention", "skipkv_tri", "kvzip"):
         assert POLICIES.get(name).paper.endswith(")")
