@@ -249,3 +249,6 @@ def test_every_frontier_policy_is_registered():
     for name in ("criticalkv", "criticalkv_ada", "defensivekv", "layer_defensivekv", "expected_attention",
                  "triattention", "skipkv_tri", "kvzip"):
         assert POLICIES.get(name).paper.endswith(")")
+    defaults = {n: {k: d for k, _t, d, _h in POLICIES.get(n).knobs()} for n in ("triattention", "skipkv_tri")}
+    for knob in ("budget", "window", "interval", "max_offset", "zscore", "aggregate"):  # TriAttention's, in both
+        assert defaults["skipkv_tri"][knob] == defaults["triattention"][knob], knob

@@ -41,6 +41,9 @@ class SkipKVTri(SentenceEviction, TriAttention):
              "SkipKV's redundant sentences: flagged sentences go first, whole; knobs at their defaults, tuning on "
              "the calibration slice pending")
 
+    # TriAttention's defaults, restated: the SentenceEviction base (a Policy) would otherwise bring back Policy's.
+    budget: int = knob(2048, "tokens kept per request per kv head (TriAttention's 2048)", gt=0)
+    window: int = knob(128, "newest tokens always kept (TriAttention's 128)", ge=1)
     sentence_weight: float = knob(100.0, "scale of the flagged-sentence penalty (TriAttention's z-scores spread "
                                   "over a few units)", ge=0.0)
 
