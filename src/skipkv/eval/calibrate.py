@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import DTYPE_HELP
+from skipkv.hardware import DTYPE_HELP, set_threads
 
 # Pure-Python standard-library modules present in every CPython install; their docstrings, in this order.
 PYTHON_DOC_MODULES = (
@@ -105,6 +105,7 @@ def calibrate(model: str, out: str, text: str = "python-docs", text_file: str | 
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     meta = calibrate(args.model, args.out, args.text, args.text_file, args.tokens, args.segment, args.dtype)
     print(f"{args.out}: {meta['model']}, {meta['tokens']} tokens of {meta['text']} (sha256 {meta['text_sha256'][:12]})")
     return 0
@@ -119,4 +120,5 @@ def register(sub) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the text to read (default 8192)")
     p.add_argument("--segment", type=int, default=1024, help="tokens per forward (default 1024)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     p.set_defaults(func=cmd_calibrate)
