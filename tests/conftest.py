@@ -3,7 +3,10 @@ token-for-token equalities are not at the mercy of float rounding ties."""
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +54,19 @@ def assert_same_entries(a, b, rows: int, atol: float = 1e-12) -> None:
                 torch.testing.assert_close(got[s, :, :m], want[s, :, :m], rtol=0, atol=atol)
             assert torch.equal(a.pos[l][s, :, :m], b.pos[l][s, :, :m])
 
+
+
+@functools.cache
+def calibrated_stats(model: str = "random:qwen2", dtype: str = "fp64") -> str:
+    """A TriAttention statistics file for `model` (skipkv calibrate on 512 tokens of its packaged text), written
+    once per session. A policy's `contract_knobs` value "@calibrated" stands for it (resolve_contract_knobs)."""
+    from skipkv.eval.calibrate import calibrate
+
+    out = Path(tempfile.mkdtemp(prefix="skipkv-stats-")) / "stats.safetensors"
+    calibrate(model, str(out), tokens=512, segment=256, dtype=dtype)
+    return str(out)
+
+
+def resolve_contract_knobs(knobs: dict, model: str = "random:qwen2") -> dict:
+    """Contract knobs with "@calibrated" replaced by a statistics file calibrated on `model`."""
+    return {k: calibrated_stats(model) if v == "@calibrated" else v for k, v in knobs.items()}

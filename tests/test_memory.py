@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import resolve_contract_knobs
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.config import EngineConfig
 from skipkv.engine import Engine, eos_ids
@@ -47,6 +48,14 @@ SPECS = {
     "pyramidkv": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, interval=4, phase="both")),
     "pyramidkv-prefill": ("pyramidkv", dict(budget=16, window=2, prefill_window=4, phase="prefill")),
     "pyramidkv-decode": ("pyramidkv", dict(budget=16, window=2, interval=4, phase="decode")),
+    "criticalkv": ("criticalkv", dict(budget=10, prefill_window=4)),
+    "criticalkv-both": ("criticalkv", dict(budget=16, window=2, prefill_window=4, interval=4, phase="both")),
+    "criticalkv_ada": ("criticalkv_ada", dict(budget=10, prefill_window=4)),
+    "defensivekv": ("defensivekv", dict(budget=10, prefill_window=4)),
+    "layer_defensivekv": ("layer_defensivekv", dict(budget=10, prefill_window=4)),
+    "expected_attention": ("expected_attention", dict(budget=16, window=2, interval=4, stats_window=8)),
+    "triattention": ("triattention", dict(budget=16, window=2, interval=4, stats_file="@calibrated")),
+    "skipkv_tri": ("skipkv_tri", dict(budget=16, window=2, interval=4, stats_file="@calibrated")),
 }
 
 
@@ -55,12 +64,13 @@ def policies(tmp_path_factory):
     vec = write_vector(tmp_path_factory.mktemp("steer") / "v.safetensors")
     out = {}
     for key, (name, knobs) in SPECS.items():
+        knobs = resolve_contract_knobs(knobs)
         out[key] = make_policy(name, **dict(knobs, steering=vec) if name == "seal" else knobs)
     return out
 
 
 def test_specs_cover_every_registered_policy():
-    assert {name for name, _ in SPECS.values()} == set(POLICIES.names())
+    assert {name for name, _ in SPECS.values()} == {n for n in POLICIES.names() if not POLICIES.get(n).unavailable}
 
 
 def drive(bundle, policy, mix, chunk: int, batch: int, cap: int, max_steps: int = 3000):
@@ -127,6 +137,7 @@ def test_allocated_bytes_never_exceed_the_cap(tiny, policies, key, case):
     """Random request mixes under a cap of 1-2.5x the largest request's own bound: never above the cap, all finish."""
     mix, chunk, batch, slack = case
     policy = policies[key]
+    chunk = chunk if policy.chunked_prefill else 0  # a policy that scores the whole prompt refuses chunks
     # A per-request budget the policy cannot run (above its budget for that prompt, or too small for its
     # protected tokens) is refused with a one-line error; those requests run without one.
     fixed = []

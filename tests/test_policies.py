@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, resolve_contract_knobs
 from skipkv import SamplingParams, generate, make_policy
 from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
@@ -15,7 +15,8 @@ from skipkv.policies import POLICIES
 from skipkv.policies.base import Policy
 
 # Everything below is read from the registry and from what each policy declares: no policy is named here.
-COMPRESSING = [n for n in POLICIES.names() if POLICIES.get(n).compresses]
+# Policies listed but not runnable (`unavailable`, e.g. kvzip) are refused when built: tests/test_frontier_policies.py.
+COMPRESSING = [n for n in POLICIES.names() if POLICIES.get(n).compresses and not POLICIES.get(n).unavailable]
 # Policies whose layers end at different lengths (model-wide, or per-layer budgets via layer_capacity): the
 # step-by-step budget check below assumes one length for all layers; tests/test_laprox.py checks them per layer.
 UNIFORM = [n for n in COMPRESSING
@@ -27,7 +28,7 @@ KNOBS = dict(budget=24, window=4, interval=8)
 
 def knobs(name: str) -> dict:
     """The shared knobs, with what the policy declares it needs on the tiny model (`contract_knobs`)."""
-    return {**KNOBS, **POLICIES.get(name).contract_knobs}
+    return resolve_contract_knobs({**KNOBS, **POLICIES.get(name).contract_knobs})
 
 
 @pytest.mark.parametrize("name", DECODING)
@@ -77,7 +78,8 @@ def test_budget_respected_and_protected_tokens_survive(tiny, name):
 def test_budget_over_sequence_equals_full(tiny, name):
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     full = generate(tiny, PROMPTS, sp, make_policy("full"), EngineConfig(batch_size=4))
-    big = generate(tiny, PROMPTS, sp, make_policy(name, budget=4096, window=4, interval=64), EngineConfig(batch_size=4))
+    policy = make_policy(name, **{**knobs(name), "budget": 4096, "interval": 64})
+    big = generate(tiny, PROMPTS, sp, policy, EngineConfig(batch_size=4))
     assert [r.token_ids for r in big] == [r.token_ids for r in full]
     assert all(r.compressions == 0 for r in big)
 

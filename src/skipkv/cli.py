@@ -1,4 +1,5 @@
-"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer | serve.
+"""The `skipkv` command line: generate | policies | models | eval | sweep | report | show | bench | steer | calibrate |
+serve.
 
     skipkv generate --model random:qwen2 --policy rkv --budget 64 --max-tokens 50 --json "Hello"
     skipkv policies
@@ -33,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("skipkv.report.cli", "HTML pages of what the cache kept, per example (runs traced with --trace)"),
     "bench": ("skipkv.bench.cli", "benchmarks (tables + JSON)"),
     "steer": ("skipkv.eval.steer_cli", "steering vectors (SEAL / SkipKV)"),
+    "calibrate": ("skipkv.eval.calibrate", "TriAttention's per-model query statistics"),
     "serve": ("skipkv.serve.cli",
               "OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)"),
 }

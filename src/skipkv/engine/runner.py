@@ -59,6 +59,9 @@ class ModelRunner:
         self.trace = trace  # record retention per compression (engine/trace.py); off: no recording code runs
         cfg = bundle.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if prefill_chunk and not policy.chunked_prefill:
+            raise SkipKVError(f"policy {policy.name or type(policy).__name__} scores the whole prompt at once; "
+                              "chunked prefill (--prefill-chunk) is not supported with it")
         needs = policy.requirements()
         self.need_hidden = "hidden" in needs
         if policy.head_split and "attn" in needs:

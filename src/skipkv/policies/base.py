@@ -75,6 +75,10 @@ class Policy:
     needs: ClassVar[frozenset[str]] = frozenset()
     compresses: ClassVar[bool] = True
     model_wide: ClassVar[bool] = False
+    # False: the policy scores the whole prompt at once, and the runner refuses chunked prefill for it.
+    chunked_prefill: ClassVar[bool] = True
+    # Non-empty: the policy is listed but cannot run (the reason, a one-line error raised when it is built).
+    unavailable: ClassVar[str] = ""
     # The README's row (`skipkv policies --markdown`): the paper, and what the policy keeps.
     paper: ClassVar[str] = "—"
     keeps: ClassVar[str] = ""
@@ -85,6 +89,8 @@ class Policy:
     def __post_init__(self) -> None:
         # Every knob is checked here, once, against the constraints declared beside its default (`knob`);
         # subclasses add only cross-field rules.
+        if self.unavailable:
+            raise SkipKVError(self.unavailable)
         check_fields(self, f"{self.name or type(self).__name__} policy knob")
         if not self.compresses:
             return

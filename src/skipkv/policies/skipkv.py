@@ -57,7 +57,7 @@ import torch
 from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
-from skipkv.policies.base import Observation
+from skipkv.policies.base import Observation, Policy
 from skipkv.policies.rkv import RKV
 from skipkv.sentences import REFERENCE_DELIMITERS, SentenceTracker, flag_earlier, parse_delimiters, span_penalty
 from skipkv.sentences.tracker import CHECK_WORD_SETS, TablesByTokenizer
@@ -79,13 +79,10 @@ class SkipKVState:
                                                                 torch.zeros(0, dtype=torch.long), torch.zeros(0))
 
 
-@POLICIES.register("skipkv")
 @dataclass(frozen=True)
-class SkipKV(SteeringKnobs, RKV):
-    paper = "SkipKV (arXiv 2512.07993)"
-    keeps = ("R-KV's score minus the similarity of redundant sentences (the earlier of two sentences whose mean "
-             "last-layer hidden states have cosine > `tau`, 0.95): flagged sentences go first, whole; optional "
-             "adaptive steering (`--steering FILE`)")
+class SentenceEviction(SteeringKnobs, Policy):
+    """SkipKV's sentence machinery (tracker, flags, span penalty, steering) over any token score: the first base of
+    a policy whose `base_score` it penalises (SkipKV: R-KV's; skipkv_tri.py: TriAttention's). Not registered."""
 
     tau: float = knob(0.95, "cosine above which the earlier of two sentences is flagged redundant", gt=0.0, le=1.0)
     sentence_weight: float = knob(1.0, "scale of the flagged-sentence penalty (1 = reference)", ge=0.0)
@@ -102,8 +99,6 @@ class SkipKV(SteeringKnobs, RKV):
     gamma: float = knob(0.02, "gamma: steering coefficient change per check sentence", ge=0.0)
     alpha_update: str = knob("interval", "recompute alpha every interval generated tokens (reference), at each "
                              "compression, or at every token", choices=("interval", "compression", "sentence"))
-
-    needs: ClassVar[frozenset[str]] = frozenset({"queries", "hidden"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -158,8 +153,12 @@ class SkipKV(SteeringKnobs, RKV):
         return state.steer.alpha
 
     # ------------------------------------------------------------------------------------ scoring
+    def base_score(self, obs: Observation) -> torch.Tensor:
+        """The token score the sentence penalty is taken from [b, H, n]."""
+        raise NotImplementedError
+
     def score(self, obs: Observation) -> torch.Tensor:
-        s = super().score(obs)  # [b, H, n]
+        s = self.base_score(obs)  # [b, H, n]
         if self.sentence_weight == 0 or obs.states is None:
             return s
         for b, st in enumerate(obs.states):  # per request: each has its own flagged spans
@@ -188,3 +187,17 @@ class SkipKV(SteeringKnobs, RKV):
         tr = state.tracker
         return {"sentences": [[s, e, "check" if c else "other"] for s, e, c in zip(tr.starts, tr.ends, tr.is_check)],
                 "flagged": [[tr.starts[i], tr.ends[i], f] for i, f in enumerate(state.flags) if f > 0]}
+
+
+@POLICIES.register("skipkv")
+@dataclass(frozen=True)
+class SkipKV(SentenceEviction, RKV):
+    paper = "SkipKV (arXiv 2512.07993)"
+    keeps = ("R-KV's score minus the similarity of redundant sentences (the earlier of two sentences whose mean "
+             "last-layer hidden states have cosine > `tau`, 0.95): flagged sentences go first, whole; optional "
+             "adaptive steering (`--steering FILE`)")
+
+    needs: ClassVar[frozenset[str]] = frozenset({"queries", "hidden"})
+
+    def base_score(self, obs: Observation) -> torch.Tensor:
+        return RKV.score(self, obs)
