@@ -23,6 +23,7 @@ POLICIES = {
     "snapkv": dict(budget=16, window=4, interval=8, phase="decode"),
     "h2o": dict(budget=16, window=4, interval=8),
     "streaming_llm": dict(budget=16, sink=2, interval=8),
+    "expected_attention": dict(budget=16, window=4, interval=8, phase="decode"),
 }
 
 
