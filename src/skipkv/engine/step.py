@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from skipkv.attention import _probs_times_values
+from skipkv import attention
 from skipkv.hardware import key_bucket
 
 
@@ -165,7 +165,7 @@ class FixedStep:
         if attn is not None:
             attn[:B, :, :extent] += probs.sum(dim=2)
         if not self.compiled:  # the HF step's own product (key buckets for a 16-bit p.V on a CPU included)
-            o = _probs_times_values(probs.view(B, H, G, extent), vc, v_store[:B])
+            o = attention._probs_times_values(probs.view(B, H, G, extent), vc, v_store[:B])
         elif vc.dtype in (torch.float32, torch.float64) or not self.pv_in_model_dtype:
             o = torch.matmul(probs, vc.to(probs.dtype)).to(vc.dtype)
         else:
