@@ -384,7 +384,11 @@ def test_public_bind_without_a_key_warns(monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: ran.append(self.config.host))
     for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
-        assert cli.main(["serve", "--model", MODEL, "--host", host, "--log-level", "warning"]) == 0
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        p = str(free.getsockname()[1])
+        free.close()
+        assert cli.main(["serve", "--model", MODEL, "--host", host, "--port", p, "--log-level", "warning"]) == 0
         err = capsys.readouterr().err
         assert ("without --api-key" in err) == warned, err
     assert ran == ["0.0.0.0", "127.0.0.1"]

@@ -27,8 +27,10 @@ from skipkv.engine.request import encode_prompt
 from skipkv.errors import SkipKVError
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
-# The engine re-decodes len(stop) + 8 tokens after every token to look for a stop string (engine.finish_reason):
-# a bound on the length bounds that work; a longer stop string is refused, not cut.
+MAX_MESSAGES = 2048  # messages in a chat at most: bounds the chat template's work (a 4 MB body holds 140,000)
+COMPLETION_DEFAULT_TOKENS = 16  # max_tokens of a /v1/completions request that gives none (OpenAI's default)
+# Stop strings are matched in linear time whatever their length (engine._stop_hit, TextStream); a bound on the
+# length bounds the matchers' tables; a longer stop string is refused, not cut.
 MAX_STOP_CHARS = 512
 ECHO_CHARS = 120  # what an error message quotes of a client's value at most
 MAX_MESSAGE_CHARS = 1000  # an error message at most
@@ -89,7 +91,10 @@ class ServerSettings:
     max_body_bytes: int = knob(4 << 20, "request body bytes at most; more get HTTP 413", gt=0)
     read_timeout: float = knob(30.0, "seconds a client may take to send a request's headers, and its body", gt=0)
     max_connections: int = knob(512, "open connections at most; more are closed at once", gt=0)
-    shutdown_timeout: float = knob(10.0, "seconds in-flight requests may run on after SIGTERM", ge=0)
+    shutdown_timeout: float = knob(10.0, "seconds in-flight requests may run on after SIGTERM; then they end with "
+                                         "an error (streams: an error event and data: [DONE])", ge=0)
+    request_timeout: float = knob(300.0, "seconds a request may take from its arrival to its last token; then it "
+                                         "is aborted and ends with an error (0 = no limit)", ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "server")
@@ -245,16 +250,19 @@ def _sampling(body: dict, prompt_len: int, limits: Limits, tokens_key: str) -> S
         raise bad(f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context}",
                   "messages" if tokens_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
     keys = [k for k in (tokens_key, "max_tokens") if body.get(k) is not None]
-    if keys:
-        key = keys[0]
-        m = body[key]
+    if keys or tokens_key == "max_tokens":
+        key = keys[0] if keys else "max_tokens"
+        # /v1/completions without max_tokens: OpenAI's default of 16 (so a prompt that fills the context is
+        # refused here, not prefilled for one token); chat: as many as the cap and the context allow.
+        m = body[key] if keys else min(COMPLETION_DEFAULT_TOKENS, limits.max_tokens_cap)
         if not _is_int(m) or m <= 0:
             raise bad(f"{key} must be a positive integer, got {echo(m)}", key)
         if m > limits.max_tokens_cap:
             raise bad(f"{key} is {echo(m)}; this server allows at most {limits.max_tokens_cap}", key)
         if m > room:
-            raise bad(f"the prompt has {prompt_len} tokens and {key} is {m}; the model's context is "
-                      f"{limits.max_context}", key, "context_length_exceeded")
+            given = f"{key} is {m}" if keys else f"{key} defaults to {m}"
+            raise bad(f"the prompt has {prompt_len} tokens and {given}; the model's context is "
+                      f"{limits.max_context}", key if keys else "prompt", "context_length_exceeded")
     else:
         m = min(limits.max_tokens_cap, room)  # as many as the cap and the context allow
     temperature = _number(body, "temperature", 0.0, 2.0, 1.0)  # OpenAI's default: 1
@@ -322,6 +330,9 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> Parsed:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list", "messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise bad(f"messages has {len(msgs)} entries; this server takes at most {MAX_MESSAGES}", "messages",
+                  "too_many_messages")
     conv = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
