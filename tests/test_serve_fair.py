@@ -36,8 +36,8 @@ CHUNK = 64
 
 @pytest.fixture(scope="module")
 def fair_server():
-    """rkv, batch 8, prompts prefilled CHUNK tokens per step, 8 MiB bodies, requests bounded to 6 s."""
-    s = ServerSettings(model_name=MODEL, max_tokens_cap=4096, max_body_bytes=8 << 20, request_timeout=6.0)
+    """rkv, batch 8, prompts prefilled CHUNK tokens per step, 8 MiB bodies."""
+    s = ServerSettings(model_name=MODEL, max_tokens_cap=4096, max_body_bytes=8 << 20)
     app = create_app(load_model(MODEL, dtype="fp64"), make_policy("rkv", **RKV),
                      EngineConfig(batch_size=8, prefill_chunk=CHUNK, group_by_length=False), s)
     with serving(app, s) as url:
@@ -101,12 +101,13 @@ def test_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys, host, h
         assert time.monotonic() - t0 < 5
     finally:
         taken.close()
-    err = capsys.readouterr().err.strip()
-    assert "cannot listen on" in err and "\n" not in err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the public-bind warning, if any
+    assert err.startswith("skipkv: error: cannot listen on")
 
 
 def test_startup_line_names_what_is_served(monkeypatch, capsys):
     from skipkv.serve import guard
+    from skipkv.serve.cli import PREFILL_CHUNK
 
     ran = []
     monkeypatch.setattr(guard.Server, "run", lambda self, sockets=None: ran.append(sockets))
@@ -116,7 +117,7 @@ def test_startup_line_names_what_is_served(monkeypatch, capsys):
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("skipkv serve:")]
     assert len(line) == 1 and len(ran) == 1 and ran[0][0].getsockname()[1] == p
     for part in (f"model {MODEL}", "policy rkv", "budget 48", "device cpu", "dtype float32",
-                 f"http://127.0.0.1:{p}", "prefill chunk 512"):
+                 f"http://127.0.0.1:{p}", f"prefill chunk {PREFILL_CHUNK}"):
         assert part in line[0], (part, line[0])
     ran[0][0].close()
 
@@ -145,7 +146,8 @@ def test_a_long_prompt_does_not_stall_streams_and_its_disconnect_aborts_it(fair_
             r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * n, "max_tokens": 1},
                            timeout=120)
             assert r.status_code == 200
-            assert len(got) - before >= n // CHUNK - 2, (n, len(got) - before)
+            # (half: the client's reading may lag behind the server; unchunked, the stream gets 1 token)
+            assert len(got) - before >= n // CHUNK // 2, (n, len(got) - before)
         # A long prompt whose client gives up mid-prefill is aborted at once, not after its prefill.
         m0 = metrics(url)
         with pytest.raises(httpx.TimeoutException):
@@ -159,7 +161,7 @@ def test_a_long_prompt_does_not_stall_streams_and_its_disconnect_aborts_it(fair_
     finally:
         undo()
     stream.join(60)
-    assert len(got) >= 600
+    assert len(got) >= 600  # the stream ran to its end
 
 
 # ----------------------------------------------------------------------------- large bodies vs small ones
@@ -209,7 +211,7 @@ def test_large_bodies_never_delay_small_ones(fair_server, monkeypatch):
 @pytest.mark.parametrize("text", [" ", "\n", "a ", "\u6f22", "\U0001f600", "\t\r\n"])
 def test_a_huge_prompt_is_refused_fast(fair_server, text):
     url, _ = fair_server
-    prompt = (text * ((4 << 20) // len(text.encode())))[: (4 << 20) // len(text.encode())]
+    prompt = text * ((4 << 20) // len(json.dumps(text, ensure_ascii=False).encode()))  # a body of about 4 MiB
     t0 = time.monotonic()
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": prompt}),
                        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}]})):
@@ -234,22 +236,21 @@ def test_too_many_messages_are_refused(fair_server):
     assert _error(httpx.post(url + "/v1/chat/completions", json=body, timeout=60), 400, "messages")
 
 
-def test_every_request_ends_within_the_request_timeout(fair_server):
-    url, worker = fair_server
-    undo = slowed(worker, 0.05)  # 3,000 tokens would take 150 s
+def test_every_request_ends_within_the_request_timeout():
+    s = ServerSettings(model_name=MODEL, max_tokens_cap=4096, request_timeout=3.0)
+    app = create_app(load_model(MODEL, dtype="fp64"), make_policy("full"), EngineConfig(batch_size=4), s)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 3000, "ignore_eos": True}
-    try:
+    with serving(app, s) as url:
+        slowed(app.state.worker, 0.05)  # 3,000 tokens would take 150 s
         m0 = metrics(url)
         t0 = time.monotonic()
         err = _error(httpx.post(url + "/v1/completions", json=body, timeout=60), 504)
-        assert err["code"] == "request_timeout" and 5.5 < time.monotonic() - t0 < 10
+        assert err["code"] == "request_timeout" and 2.9 < time.monotonic() - t0 < 6
         for path, b in (("/v1/completions", body), ("/v1/chat/completions",
                                                     {**body, "messages": [{"role": "user", "content": "hi"}]})):
             lines = sse(url, b, path)
             assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "request_timeout"
         assert counter(metrics(url), "abort") - counter(m0, "abort") == 3
-    finally:
-        undo()
 
 
 # ----------------------------------------------------------------------------- /metrics
@@ -334,7 +335,7 @@ def test_sigterm_ends_every_request_cleanly(tmp_path):
         proc.send_signal(signal.SIGTERM)
         for j in jobs:
             j.join(60)
-        assert proc.wait(60) == 0
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     finally:
         if proc.poll() is None:
             proc.kill()

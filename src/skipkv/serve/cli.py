@@ -19,7 +19,7 @@ from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
 from skipkv.hardware import set_threads
 
-PREFILL_CHUNK = 512  # the server's default --prefill-chunk (docs/benchmarks.md, "A long prompt beside streams")
+PREFILL_CHUNK = 256  # the server's default --prefill-chunk (docs/benchmarks.md, "A long prompt beside streams")
 
 
 def _port(text: str) -> int:
@@ -84,7 +84,7 @@ def startup_line(args: argparse.Namespace, bundle, policy, engine: EngineConfig,
     """What this server runs, in one line (printed once the model is loaded)."""
     budget = f"budget {policy.budget}" if getattr(policy, "compresses", False) else "full cache"
     kv = f"kv-memory {engine.kv_memory} B" if engine.kv_memory else "kv-memory unbounded"
-    return (f"skipkv serve: model {args.model} ({bundle.max_context}-token context), policy {policy.name} "
+    return (f"skipkv serve: model {args.model} ({bundle.max_context}-token context), policy {args.policy} "
             f"({budget}), device {bundle.device}, dtype {str(bundle.dtype).removeprefix('torch.')}, {kv}, "
             f"prefill chunk {engine.prefill_chunk or 'whole'}, listening on http://{args.host}:{args.port}"
             f"{'' if api_key else ' (no API key)'}")
