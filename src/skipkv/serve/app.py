@@ -143,8 +143,7 @@ def create_app(bundle, policy, engine_config: EngineConfig, settings: ServerSett
         return Response(status_code=CLIENT_CLOSED)
 
     def parse(raw: bytes, tokenizer, chat: bool) -> protocol.Parsed:
-        body = protocol.load_body(raw)
-        return (protocol.parse_chat if chat else protocol.parse_completion)(body, tokenizer, limits)
+        return protocol.parse_request(raw, tokenizer, limits, chat)
 
     async def read_and_parse(request: Request, chat: bool, arrived: float):
         """(the request parsed or None, `gone`: done once the client has gone or the request's time is up)."""

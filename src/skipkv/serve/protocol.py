@@ -253,6 +253,11 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> Parsed:
     return _tail(req, ids, limits, chat=False)
 
 
+def parse_request(raw: bytes, tokenizer, limits: Limits, chat: bool) -> Parsed:
+    """A raw /v1/chat/completions (chat) or /v1/completions body, validated and tokenized."""
+    return (parse_chat if chat else parse_completion)(load_body(raw), tokenizer, limits)
+
+
 def parse_chat(body: dict, tokenizer, limits: Limits) -> Parsed:
     """Validate a /v1/chat/completions body; the chat template is applied here, on the server."""
     req = _check(ChatRequest, body, limits)
