@@ -19,7 +19,7 @@ from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
 from skipkv.hardware import set_threads
 
-PREFILL_CHUNK = 256  # the server's default --prefill-chunk (docs/benchmarks.md, "A long prompt beside streams")
+PREFILL_CHUNK = 256  # the server's default --prefill-chunk, measured: docs/benchmarks.md, "Scenarios"
 
 
 def _port(text: str) -> int:
