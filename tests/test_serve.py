@@ -24,7 +24,7 @@ from skipkv.config import EngineConfig  # noqa: E402
 from skipkv.engine import Engine  # noqa: E402
 from skipkv.models import load_model  # noqa: E402
 from skipkv.serve.app import create_app  # noqa: E402
-from skipkv.serve.guard import server_config  # noqa: E402
+from skipkv.serve.guard import Server, server_config  # noqa: E402
 from skipkv.serve.protocol import ServerSettings, TextStream  # noqa: E402
 
 MODEL = "random:qwen2"
@@ -49,7 +49,7 @@ def serving(app, settings: ServerSettings | None = None, handle: dict | None = N
     yields the base URL. `handle` receives the uvicorn server and its thread (to stop it in a test)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(server_config(app, settings or ServerSettings(), "127.0.0.1", 0, "warning"))
+    server = Server(server_config(app, settings or ServerSettings(), "127.0.0.1", 0, "warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     if handle is not None:

@@ -384,7 +384,11 @@ def test_public_bind_without_a_key_warns(monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: ran.append(self.config.host))
     for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
-        assert cli.main(["serve", "--model", MODEL, "--host", host, "--log-level", "warning"]) == 0
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        p = str(free.getsockname()[1])
+        free.close()
+        assert cli.main(["serve", "--model", MODEL, "--host", host, "--port", p, "--log-level", "warning"]) == 0
         err = capsys.readouterr().err
         assert ("without --api-key" in err) == warned, err
     assert ran == ["0.0.0.0", "127.0.0.1"]
@@ -411,3 +415,17 @@ def test_soak_mode_runs_every_client_kind_and_finds_the_server_clean(capsys):
     assert set(rep["outcomes"]["oversized"]) <= {"400", "413"}
     assert set(rep["outcomes"]["slow"]) <= {"closed", "408"}
     assert rep["end"] == {k: 0 for k in rep["end"]}
+
+
+def test_scenario_tool_refuses_other_machines_and_unknown_names():
+    from skipkv.bench.scenarios import flood_body, run_scenario, token_prompt
+    from skipkv.errors import SkipKVError
+
+    with pytest.raises(SkipKVError, match="this machine only"):
+        run_scenario("flood", "http://10.1.2.3:8000", None, None)
+    with pytest.raises(SkipKVError, match="long-prompt, flood, sigterm"):
+        run_scenario("melt", "http://127.0.0.1:8000", None, None)
+    body = json.loads(flood_body("m", 100_000))
+    assert 99_000 < len(flood_body("m", 100_000)) <= 100_000 and body["model"] == "m"
+    assert all(m == {"role": "user", "content": ""} for m in body["messages"]) and len(body["messages"]) > 3000
+    assert len(token_prompt(6000)) == 6000 and max(token_prompt(6000)) < 256

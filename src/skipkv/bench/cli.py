@@ -121,6 +121,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from skipkv.outputs import check_file
 
         check_file(args.out, "--out")  # before the first request: an unusable --out fails now, not after the run
+    if args.scenario is not None:
+        from skipkv.bench.scenarios import run_scenario
+
+        run_scenario(args.scenario, args.url, args.api_key, args.out, args.pid, args.log)
+        return 0
     if args.soak is not None:
         from skipkv.bench.soak import run_soak
 
@@ -219,4 +224,8 @@ def register(sub) -> None:
                    help="instead: MINUTES of mixed normal and hostile clients (disconnecting, oversized, malformed, "
                         "slow) against a server on this machine; requests by outcome, latency, RSS, KV at the end")
     s.add_argument("--seed", type=int, default=0, help="--soak: the clients' random choices")
+    s.add_argument("--scenario", help="instead: one measured situation against a server on this machine: "
+                                      "long-prompt, flood or sigterm (skipkv/bench/scenarios.py)")
+    s.add_argument("--pid", type=int, default=0, help="--scenario sigterm: the server's process id")
+    s.add_argument("--log", help="--scenario sigterm: the server's log file (tracebacks are counted)")
     s.set_defaults(func=cmd_serve)

@@ -64,17 +64,17 @@ class TextStream:
     (`StopMatcher`: linear in the text, whatever the stop strings' length).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
         self.matchers = [StopMatcher(s) for s in stop]
         self.ids: list[int] = []
-        self.special = frozenset(tokenizer.all_special_ids)  # skipped when decoding
+        self.special = frozenset(tokenizer.all_special_ids if skip_special_tokens else ())  # skipped when decoding
         self.prefix_at = self.read_at = 0
         self.text = ""  # decoded so far
         self.sent = 0  # characters of `text` already sent
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def _in_byte_run(self) -> bool:
         # The newest token that decodes to anything: a skipped special token does not end a run of byte pieces.

@@ -26,6 +26,7 @@ import torch
 
 from skipkv.attention import BACKEND, attention_backend
 from skipkv.config import EngineConfig, SamplingParams
+from skipkv.engine.detokenize import TextStream
 from skipkv.engine.request import Request, RequestResult, budget_force, encode_prompt, eos_ids, percentile
 from skipkv.engine.runner import ModelRunner
 from skipkv.engine.scheduler import Scheduler
@@ -59,12 +60,15 @@ class StepOutput:
 
 
 def _stop_hit(tokenizer, r: Request) -> bool:
+    """Whether the newest token completes a stop string. Each request keeps an incremental decode of its output
+    (special tokens included) and a linear-time matcher per stop string, so a stop string matches however many
+    tokens it spans (a CJK or astral character is several byte-level tokens); called once per added token."""
     if not r.sampling.stop:
         return False
-    longest = max(len(s) for s in r.sampling.stop)
-    # Decoding a short tail is enough: a stop string can only end in the newest token.
-    tail = tokenizer.decode(r.output_ids[-(longest + 8):], skip_special_tokens=False)
-    return any(s in tail for s in r.sampling.stop)
+    if r.stop_scan is None:
+        r.stop_scan = TextStream(tokenizer, r.sampling.stop, skip_special_tokens=False)
+    r.stop_scan.add(r.output_ids[len(r.stop_scan.ids):])
+    return any(m.found is not None for m in r.stop_scan.matchers)
 
 
 def finish_reason(tokenizer, r: Request) -> str | None:

@@ -150,6 +150,7 @@ class Request:
     # Tokens fed to the model so far (prompt + generated), set by the runner: one ahead of output_ids between a
     # decode step and the moment its sampled token is added (a chunk prefilled later in the same step).
     fed: int = 0
+    stop_scan: Any = None  # engine._stop_hit's incremental decode and stop matchers (a TextStream), made lazily
 
     def to_feed(self) -> int:
         """Tokens this request may still feed (and cache): prompt + max_new_tokens - 1 in all, the last

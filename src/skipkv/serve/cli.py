@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import socket
 import sys
 
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
 from skipkv.hardware import set_threads
+
+PREFILL_CHUNK = 256  # the server's default --prefill-chunk, measured: docs/benchmarks.md, "Scenarios"
 
 
 def _port(text: str) -> int:
@@ -39,13 +42,62 @@ def public_bind_warning(host: str, api_key: str) -> str | None:
             f"model (and /health, /metrics are always open)")
 
 
+def check_api_key(key: str | None) -> str:
+    """The key as given ("" when none was), or SkipKVError for one no client could send or that means nothing:
+    empty, with leading or trailing whitespace, or with a character outside printable ASCII (HTTP headers carry
+    ASCII; a client's library strips or refuses the rest, so such a key could never be matched)."""
+    if key is None:
+        return ""
+    if not key:
+        raise SkipKVError("--api-key is empty: give a key, or leave the flag out to serve without authentication")
+    if key != key.strip():
+        raise SkipKVError("--api-key has leading or trailing whitespace, which clients strip: no request could match")
+    bad = next((c for c in key if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise SkipKVError(f"--api-key holds {bad!r} (U+{ord(bad):04X}); a key must be printable ASCII, which is "
+                          f"all an Authorization header carries")
+    return key
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (before the model loads), so that a port in use is a one-line error at
+    once; uvicorn serves on it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SkipKVError(f"--host {host!r} is not an address of this machine: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise SkipKVError(f"cannot listen on {host}:{port}: {exc.strerror} (is another server running there? "
+                          f"choose another --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def startup_line(args: argparse.Namespace, bundle, policy, engine: EngineConfig, api_key: str) -> str:
+    """What this server runs, in one line (printed once the model is loaded)."""
+    budget = f"budget {policy.budget}" if getattr(policy, "compresses", False) else "full cache"
+    kv = f"kv-memory {engine.kv_memory} B" if engine.kv_memory else "kv-memory unbounded"
+    return (f"skipkv serve: model {args.model} ({bundle.max_context}-token context), policy {args.policy} "
+            f"({budget}), device {bundle.device}, dtype {str(bundle.dtype).removeprefix('torch.')}, {kv}, "
+            f"prefill chunk {engine.prefill_chunk or 'whole'}, listening on http://{args.host}:{args.port}"
+            f"{'' if api_key else ' (no API key)'}")
+
+
 def settings_from_args(args: argparse.Namespace):
     from skipkv.serve.protocol import ServerSettings
 
-    return ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key or "",
+    return ServerSettings(model_name=args.served_model_name or args.model, api_key=check_api_key(args.api_key),
                           max_tokens_cap=args.max_tokens_cap, max_queue=args.max_queue,
                           max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                          max_connections=args.max_connections, shutdown_timeout=args.shutdown_timeout)
+                          max_connections=args.max_connections, shutdown_timeout=args.shutdown_timeout,
+                          request_timeout=args.request_timeout)
 
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -56,10 +108,8 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from skipkv.serve.app import create_app
-        from skipkv.serve.guard import server_config
+        from skipkv.serve.guard import Server, server_config
     except ImportError as exc:
         raise SkipKVError(f"serving needs the serve extra (pip install 'skipkv[serve]'): {exc}") from None
     from skipkv.engine.cli import policy_from_args
@@ -81,9 +131,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         spec = ReplicaSpec(args.model, args.dtype, policy, engine, settings, args.threads)
         run_replicas(spec, args.replicas, args.host, args.port, args.ray, args.replica_cpus)
         return 0
+    sock = bind_socket(args.host, args.port)  # a port in use fails here, before the model loads
     bundle = load_model(args.model, dtype=args.dtype, device=args.device)
     app = create_app(bundle, policy, engine, settings)
-    uvicorn.Server(server_config(app, settings, args.host, args.port, args.log_level)).run()
+    print(startup_line(args, bundle, policy, engine, settings.api_key), file=sys.stderr, flush=True)
+    Server(server_config(app, settings, args.host, args.port, args.log_level)).run(sockets=[sock])
     return 0
 
 
@@ -94,7 +146,9 @@ def register(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)")
     add_model_args(s)  # also --kv-memory and --prefill-budget
     add_policy_args(s)
-    s.set_defaults(batch_size=32)  # a cap on the batch; with --kv-memory, memory decides
+    # A cap on the batch (with --kv-memory, memory decides), and prompts prefilled PREFILL_CHUNK tokens per step so
+    # that a long one cannot stall the running streams (the chunk is chosen by measurement: docs/benchmarks.md).
+    s.set_defaults(batch_size=32, prefill_chunk=PREFILL_CHUNK)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
@@ -108,6 +162,7 @@ def register(sub) -> None:
     s.add_argument("--read-timeout", type=float, default=d.read_timeout, help=help_("read_timeout"))
     s.add_argument("--max-connections", type=int, default=d.max_connections, help=help_("max_connections"))
     s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, help=help_("shutdown_timeout"))
+    s.add_argument("--request-timeout", type=float, default=d.request_timeout, help=help_("request_timeout"))
     s.add_argument("--replicas", type=int, default=0,
                    help="serve N engine replicas behind Ray Serve's HTTP proxy (0 = one server, no Ray)")
     s.add_argument("--ray", default=None, metavar="ADDRESS",

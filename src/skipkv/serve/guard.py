@@ -2,15 +2,18 @@
 and the uvicorn config that `skipkv serve` (and the tests) run the app with.
 
     config = server_config(app, ServerSettings(read_timeout=30, max_connections=512), "127.0.0.1", 8000)
-    uvicorn.Server(config).run()
+    Server(config).run()
 
 uvicorn bounds idle keep-alive connections but not a client that sends its headers slowly or never, nor
 the number of connections; both would let a few sockets hold the server (and its graceful shutdown) open.
 `GuardedH11` closes a connection whose request headers are not complete `read_timeout` seconds after the
 connection opened or its previous response ended, and refuses connections beyond `max_connections` by
-closing them at once. The body's deadline is the app's (app.read_body answers 408). uvicorn's own
-`timeout_graceful_shutdown` bounds the drain after SIGTERM: requests still running then are cancelled
-(and so aborted in the engine).
+closing them at once. The body's deadline is the app's (http.read_body answers 408).
+
+After SIGTERM, `Server` (uvicorn's, with one change) stops accepting connections and lets requests in flight
+run for `shutdown_timeout` seconds; those still running then are ended by the app (`app.state.end_in_flight`):
+each stream gets an error event, `data: [DONE]` and a terminated body, each non-streamed request a 503 with
+OpenAI's error body; only what is still running FLUSH_S seconds later is cancelled, as uvicorn does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from skipkv.serve.protocol import ServerSettings
 
 log = logging.getLogger("skipkv.serve")
+FLUSH_S = 3.0  # after the requests in flight were ended: how long their answers may take to go out
 
 
 class GuardedH11(H11Protocol):
@@ -64,6 +68,38 @@ class GuardedH11(H11Protocol):
         if timer is not None:
             timer.cancel()
         super().connection_lost(exc)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose drain after SIGTERM ends the requests still in flight cleanly (module docstring)."""
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        await asyncio.sleep(0.1)
+        if not await self._drained(self.config.timeout_graceful_shutdown):
+            end = getattr(getattr(self.config.app, "state", None), "end_in_flight", None)
+            if end is not None:
+                log.warning("ending %d request(s) still running %g s after the shutdown began",
+                            len(self.server_state.tasks), self.config.timeout_graceful_shutdown)
+                await end()
+            if not await self._drained(FLUSH_S):
+                log.error("cancelling %d request(s) that did not end", len(self.server_state.tasks))
+                for t in self.server_state.tasks:
+                    t.cancel()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _drained(self, seconds: float | None) -> bool:
+        try:
+            await asyncio.wait_for(self._wait_tasks_to_complete(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 def guarded(settings: ServerSettings) -> type[GuardedH11]:

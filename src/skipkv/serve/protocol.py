@@ -2,14 +2,15 @@
 
     parse_completion(body, tokenizer, limits)   # -> Parsed, or raises APIError (HTTP 400, OpenAI error body)
 
-Validation is by hand, not by a schema library, so every rejection names its `param` the way OpenAI's API
-does. Accepted: model, prompt (completions: a string, a list of one string, token ids, or a list of one
-list of token ids) or messages (chat: role + string content or text parts), max_tokens
-(max_completion_tokens for chat), temperature, top_p, seed, stop (a string or up to 4), n = 1, stream,
-stream_options.include_usage, user, and two extras: `kv_budget` (a lower KV budget for this request) and
-`ignore_eos` (generate exactly max_tokens, for benchmarks). Known OpenAI parameters the engine does not
-implement are refused unless they carry their neutral value (presence_penalty 0, logprobs null, ...), so
-nothing is silently ignored; fields OpenAI does not define are ignored, as OpenAI-compatible servers do.
+Fields are validated by the pydantic models of schema.py (each rejection names its `param` the way OpenAI's
+API does); what depends on this server is checked here: the model name (404), the prompt against the model's
+context, max_tokens against the server's cap. Accepted: model, prompt (completions: a string, a list of one
+string, token ids, or a list of one list of token ids) or messages (chat: role + string content or text
+parts), max_tokens (max_completion_tokens for chat), temperature, top_p, seed, stop (a string or up to 4),
+n = 1, stream, stream_options.include_usage, user, and two extras: `kv_budget` (a lower KV budget for this
+request) and `ignore_eos` (generate exactly max_tokens, for benchmarks). Known OpenAI parameters the engine
+does not implement are refused unless they carry their neutral value (presence_penalty 0, logprobs null, ...),
+so nothing is silently ignored; fields OpenAI does not define are ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from skipkv.config import SamplingParams, check_fields, knob
 from skipkv.engine.detokenize import StopMatcher, TextStream  # noqa: F401 - re-exported: app.py and tests import them from here
 from skipkv.engine.request import encode_prompt
 from skipkv.errors import SkipKVError
+from skipkv.serve.schema import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, ROLES, ChatRequest, CompletionRequest, validate
 
-MAX_STOPS = 4  # OpenAI's limit on stop sequences
-# The engine re-decodes len(stop) + 8 tokens after every token to look for a stop string (engine.finish_reason):
-# a bound on the length bounds that work; a longer stop string is refused, not cut.
-MAX_STOP_CHARS = 512
+__all__ = ["MAX_MESSAGES", "MAX_STOP_CHARS", "MAX_STOPS", "ROLES"]  # re-exported: tests and app.py read them here
+
+COMPLETION_DEFAULT_TOKENS = 16  # max_tokens of a /v1/completions request that gives none (OpenAI's default)
 ECHO_CHARS = 120  # what an error message quotes of a client's value at most
 MAX_MESSAGE_CHARS = 1000  # an error message at most
 NORMALIZER_SLACK = 3  # a Unicode normaliser (NFC) may fold up to 3 code points into 1 (Hangul L+V+T)
-ROLES = ("system", "user", "assistant", "tool", "developer")
 # OpenAI parameters without an implementation here: accepted only with the value that means "off".
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0, "echo": False,
            "best_of": 1, "logit_bias": {}, "suffix": "", "tools": [], "functions": [], "tool_choice": "none",
@@ -89,7 +89,10 @@ class ServerSettings:
     max_body_bytes: int = knob(4 << 20, "request body bytes at most; more get HTTP 413", gt=0)
     read_timeout: float = knob(30.0, "seconds a client may take to send a request's headers, and its body", gt=0)
     max_connections: int = knob(512, "open connections at most; more are closed at once", gt=0)
-    shutdown_timeout: float = knob(10.0, "seconds in-flight requests may run on after SIGTERM", ge=0)
+    shutdown_timeout: float = knob(10.0, "seconds in-flight requests may run on after SIGTERM; then they end with "
+                                         "an error (streams: an error event and data: [DONE])", ge=0)
+    request_timeout: float = knob(300.0, "seconds a request may take from its arrival to its last token; then it "
+                                         "is aborted and ends with an error (0 = no limit)", ge=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "server")
@@ -187,150 +190,82 @@ def encode_bounded(tokenizer, text: str, limits: Limits, param: str) -> list[int
     return encode_prompt(tokenizer, text)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise bad(f"{key} must be a number in [{lo}, {hi}], got {echo(v)}", key)
-    return float(v)
-
-
-def _bool(body: dict, key: str) -> bool:
-    v = body.get(key)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad(f"{key} must be true or false, got {echo(v)}", key)
-    return v
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, got {echo(v)}", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad(f"a stop string may have {MAX_STOP_CHARS} characters at most, got {max(map(len, stops))}", "stop")
-    return tuple(stops)
-
-
-def _check_common(body: dict, limits: Limits) -> None:
+def _check(kind, body: dict, limits: Limits):
+    """The body validated as `kind` (schema.py), after the checks OpenAI makes first: the model (404) and the
+    parameters this server does not implement."""
     model = body.get("model")
-    if not isinstance(model, str):
-        raise bad(f"model must be a string, got {echo(model)}", "model")
-    if model != limits.model:
+    if isinstance(model, str) and model != limits.model:
         raise APIError(404, f"the model {echo(model)} does not exist; this server serves {limits.model!r}", "model",
                        "model_not_found")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad(f"only n = 1 is supported, got {echo(n)}", "n")
     for key, off in NEUTRAL.items():
         v = body.get(key)
         if v is not None and not (v == off and isinstance(v, bool) == isinstance(off, bool)):
             raise bad(f"{key} is not supported by this server (got {echo(v)})", key, "unsupported_parameter")
-    if "user" in body and not isinstance(body["user"], (str, type(None))):
-        raise bad(f"user must be a string, got {echo(body['user'])}", "user")
+    return validate(kind, body, echo, bad)
 
 
-def _sampling(body: dict, prompt_len: int, limits: Limits, tokens_key: str) -> SamplingParams:
+def _sampling(req, prompt_len: int, limits: Limits, chat: bool) -> SamplingParams:
     room = limits.max_context - prompt_len  # positions left for new tokens
     if room <= 0:
         raise bad(f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context}",
-                  "messages" if tokens_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
-    keys = [k for k in (tokens_key, "max_tokens") if body.get(k) is not None]
-    if keys:
-        key = keys[0]
-        m = body[key]
-        if not _is_int(m) or m <= 0:
-            raise bad(f"{key} must be a positive integer, got {echo(m)}", key)
+                  "messages" if chat else "prompt", "context_length_exceeded")
+    given = [(k, v) for k, v in (("max_completion_tokens", getattr(req, "max_completion_tokens", None)),
+                                 ("max_tokens", req.max_tokens)) if v is not None]
+    if given or not chat:
+        # /v1/completions without max_tokens: OpenAI's default of 16 (so a prompt that fills the context is
+        # refused here, not prefilled for one token); chat: as many as the cap and the context allow.
+        key, m = given[0] if given else ("max_tokens", min(COMPLETION_DEFAULT_TOKENS, limits.max_tokens_cap))
         if m > limits.max_tokens_cap:
-            raise bad(f"{key} is {echo(m)}; this server allows at most {limits.max_tokens_cap}", key)
+            raise bad(f"{key} is {m}; this server allows at most {limits.max_tokens_cap}", key)
         if m > room:
-            raise bad(f"the prompt has {prompt_len} tokens and {key} is {m}; the model's context is "
-                      f"{limits.max_context}", key, "context_length_exceeded")
+            what = f"{key} is {m}" if given else f"{key} defaults to {m}"
+            raise bad(f"the prompt has {prompt_len} tokens and {what}; the model's context is "
+                      f"{limits.max_context}", key if given else "prompt", "context_length_exceeded")
     else:
         m = min(limits.max_tokens_cap, room)  # as many as the cap and the context allow
-    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)  # OpenAI's default: 1
-    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
-    if top_p == 0.0:
-        raise bad("top_p must be > 0", "top_p")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise bad(f"seed must be a non-negative integer, got {echo(seed)}", "seed")
-    if seed is None:
-        seed = secrets.randbits(63)  # OpenAI's semantics: without a seed, sampling is not reproducible
+    # OpenAI's semantics: without a seed, sampling is not reproducible.
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
     try:
-        return SamplingParams(max_new_tokens=m, temperature=temperature, top_p=top_p, seed=seed,
-                              ignore_eos=_bool(body, "ignore_eos"), stop=_stops(body))
+        return SamplingParams(max_new_tokens=m, temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=seed,
+                              ignore_eos=bool(req.ignore_eos), stop=req.stops())
     except SkipKVError as exc:
         raise bad(str(exc)) from None
 
 
-def _tail(body: dict, ids: list[int], limits: Limits, tokens_key: str) -> Parsed:
-    sampling = _sampling(body, len(ids), limits, tokens_key)
-    budget = body.get("kv_budget")
-    if budget is not None and (not _is_int(budget) or budget <= 0):
-        raise bad(f"kv_budget must be a positive integer, got {echo(budget)}", "kv_budget")
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
-        raise bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {echo(opts)}",
-                  "stream_options")
-    return Parsed(ids, sampling, budget, stream, bool(opts and opts.get("include_usage")))
+def _tail(req, ids: list[int], limits: Limits, chat: bool) -> Parsed:
+    opts = req.stream_options
+    return Parsed(ids, _sampling(req, len(ids), limits, chat), req.kv_budget, bool(req.stream),
+                  bool(opts and opts.include_usage))
 
 
 def parse_completion(body: dict, tokenizer, limits: Limits) -> Parsed:
     """Validate a /v1/completions body; the prompt is tokenized as `skipkv generate --raw` would."""
-    _check_common(body, limits)
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # one prompt in a list (n = 1 requests only)
+    req = _check(CompletionRequest, body, limits)
+    p = req.prompt
     if isinstance(p, str):
-        if not p:
-            raise bad("prompt is empty", "prompt")
         ids = encode_bounded(tokenizer, p, limits, "prompt")
-    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+    else:
         vocab = len(tokenizer)
         if not all(0 <= t < vocab for t in p):
             raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
         ids = list(p)
-    else:
-        raise bad("prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
-    return _tail(body, ids, limits, "max_tokens")
+    return _tail(req, ids, limits, chat=False)
 
 
-def _content(m: Any, i: int) -> str:
-    c = m.get("content")
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list) and all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
-                                   for x in c):
-        return "".join(x["text"] for x in c)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+def parse_request(raw: bytes, tokenizer, limits: Limits, chat: bool) -> Parsed:
+    """A raw /v1/chat/completions (chat) or /v1/completions body, validated and tokenized."""
+    return (parse_chat if chat else parse_completion)(load_body(raw), tokenizer, limits)
 
 
 def parse_chat(body: dict, tokenizer, limits: Limits) -> Parsed:
     """Validate a /v1/chat/completions body; the chat template is applied here, on the server."""
-    _check_common(body, limits)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages must be a non-empty list", "messages")
-    conv = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise bad(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", f"messages[{i}].role")
-        conv.append({"role": m["role"], "content": _content(m, i)})
+    req = _check(ChatRequest, body, limits)
     if not getattr(tokenizer, "chat_template", None):
         raise bad("this model has no chat template; use /v1/completions", "messages")
+    conv = [{"role": m.role, "content": m.text()} for m in req.messages]
     text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    return _tail(body, encode_bounded(tokenizer, text, limits, "messages"), limits, "max_completion_tokens")
+    return _tail(req, encode_bounded(tokenizer, text, limits, "messages"), limits, chat=True)
 
 
 # ---------------------------------------------------------------------------------------- responses
