@@ -13,8 +13,10 @@ detokenizes text; it never evaluates model output.
 
 What a hostile client cannot do: send a body over `max_body_bytes` (413 before it is read), take longer than
 `read_timeout` for its body (408) or its headers (closed, see guard.py), stall the event loop with a huge
-prompt (parsing and tokenizing run on a worker thread, bounded by the model's context, see
-protocol.encode_bounded), or make the stop-string check quadratic (protocol.StopMatcher).
+prompt (parsing and tokenizing run on worker threads, bounded by the model's context, see
+protocol.encode_bounded), queue normal requests behind large bodies (http.Lanes), hold a request open past
+`request_timeout` (504, or an error event), or make the stop-string check quadratic (protocol.StopMatcher).
+Every request's TTFT, inter-token gaps and end-to-end time go to /metrics' histograms (metrics.py).
 """
 
 from __future__ import annotations
