@@ -61,10 +61,13 @@ def test_repetition_penalty_matches_transformers(llm):
 
 
 def test_stop_string_and_finish_reasons(llm):
-    first = llm.generate("2 + 2 =", SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0]
-    stop = first.text[3:5]
-    assert stop and stop not in first.text[:3]
-    out = llm.generate("2 + 2 =", SamplingParams(max_tokens=12, stop=stop, ignore_eos=True))[0].outputs[0]
+    first = llm.generate("2 + 2 =", SamplingParams(max_tokens=24, ignore_eos=True))[0].outputs[0]
+    # Two whole characters from the middle of the output, first seen there (a U+FFFD stands for bytes of a
+    # character still incomplete while decoding, which a stop never matches).
+    stop = next(first.text[i:i + 2] for i in range(2, len(first.text) - 1)
+                if "\ufffd" not in first.text[i:i + 2] and first.text.find(first.text[i:i + 2]) == i)
+    assert stop and stop not in first.text[:2]
+    out = llm.generate("2 + 2 =", SamplingParams(max_tokens=24, stop=stop, ignore_eos=True))[0].outputs[0]
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, first.text[:first.text.find(stop)])
     assert out.peak_kv_tokens > 0 and out.peak_kv_bytes > 0 and out.result.generated_tokens == len(out.token_ids)
 
