@@ -129,6 +129,24 @@ def test_compiled_step_fullgraph_without_recompiles(monkeypatch, pair32):
         a.close(), b.close()
 
 
+def test_an_entry_past_the_capacity_is_refused_not_written(pair32):
+    """As KVStore.append: a step that would write past a slot's capacity raises before any index write."""
+    eng = Engine(pair32[0], make_policy("full"), EngineConfig(batch_size=1))
+    try:
+        eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        eng.step()
+        store = eng.runner.store
+        step = FixedStep(pair32[0].model, pv_in_model_dtype=True)
+        with torch.inference_mode():  # the engine's tensors are inference tensors
+            store.lengths[:, 0] = store.capacities[0]  # every entry taken
+            before = store.k[0].clone()
+            with pytest.raises(RuntimeError, match="KV slot overflow"):
+                step(store, torch.tensor([5]), torch.tensor([store.capacities[0]]))
+        assert torch.equal(store.k[0], before)
+    finally:
+        eng.close()
+
+
 def test_supports_only_uniform_stores(pair32):
     eng = Engine(pair32[0], make_policy("adakv", budget=48), EngineConfig(batch_size=2))
     try:

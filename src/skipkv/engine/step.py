@@ -2,27 +2,29 @@
 tensors, so that it can run eagerly (checked against the HF-module step) or compiled with
 `torch.compile(fullgraph=True)`.
 
-    SKIPKV_COMPILE_STEP=1 skipkv generate --model random:qwen2:0.5b --batch-size 16 --prompts FILE.jsonl
+    SKIPKV_DECODE_STEP=compiled skipkv generate --model random:qwen2:0.5b --batch-size 16 --prompts FILE.jsonl
 
 What makes it fixed: the rows' lengths go in as a tensor [L, B] (a copy of the store's host lengths), the new
-entry of every row and layer is written by index at that length, attention reads a fixed key extent (the first
-`extent` entries of every layer, `hardware.key_bucket` of the longest row, capped at the capacity) with the mask
-built inside the step from the lengths, and policies' decode-time observations are index writes into their own
-buffers (the query ring of `QueryBuffer`, H2O's accumulators). Steering is an add of `scale[b] * vector` at one
-layer's input. Compression, prefill, sampling and the hidden-state observation run outside, between steps, and
-rewrite the same store tensors in place; nothing here keeps state between calls.
+entry of every row and layer is written by index at that length, attention reads the first `extent` entries of
+every layer with the mask built inside the step from the lengths, and policies' decode-time observations are index
+writes into their own buffers (the query ring of `QueryBuffer`, H2O's accumulators). Steering is an add of
+`scale[b] * vector` at one layer's input. Compression, prefill, sampling and the hidden-state observation run
+outside, between steps, and rewrite the same store tensors in place; nothing here keeps state between calls.
 
 The arithmetic is the HF module's, op for op (RMSNorm in fp32, rotary as `apply_rotary_pos_emb`, q.k and the
-softmax in fp32, p.V as `attention._probs_times_values`), and the linears are the model's own modules (packed,
-transposed or dense). What differs from the eager step is the key extent: it reads masked entries past a row's
-length (zero probabilities), and on a CPU batched fp32 products and reductions over another extent may sum in
-another order. tests/test_fixed_step.py checks tokens and fp32 values against the eager step.
+softmax in fp32, p.V through `attention._probs_times_values`; compiled, one matmul in the same dtypes), and the
+linears are the model's own modules (packed, transposed or dense). The extent is the longest row's entries plus
+the new one, as in the HF step, so on a CPU whose decode attention is the grouped one the two give the same bits
+(tests/test_fixed_step.py checks tokens and every cache entry after every step). With `bucket_keys` the extent is
+rounded up to `hardware.key_bucket` (a few shapes, for a captured graph); a batched fp32 softmax over another
+extent sums in another order (~1e-8).
 
 Where it applies (`FixedStep.supports`): a uniform store (not head-split: a head-split store's kv heads hold
-different counts and stay on the eager path) whose layers share one capacity (LaProx and PyramidKV leave layers at
-different lengths and capacities: eager), Qwen2, Qwen3 and Llama decoder layers. Compiled, the batch and key
-extent are dynamic dimensions (one graph for B >= 2, one for B = 1, since torch specialises size 1), so a batch
-that shrinks as requests finish, or a cache that grows, does not recompile.
+different counts and stay on the HF step) whose layers share one capacity (LaProx and PyramidKV leave layers at
+different lengths and capacities: HF step), Qwen2, Qwen3 and Llama decoder layers. Compiled, one decoder layer is
+the graph (all layers share it; weights are its inputs), with the batch and the key extent as dynamic dimensions:
+one graph for B >= 2 and one for B = 1 (torch specialises size 1), so a batch that shrinks as requests finish, or a
+cache that grows, does not recompile (tests/test_fixed_step.py, marked slow: ~30 s of compiling).
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ class FixedStep:
         self.pv_in_model_dtype = pv_in_model_dtype
         self.bucket_keys = bucket_keys
         self.compiled = compile
-        self._fn: Callable[..., torch.Tensor] = self._step
         self._layer_fn: Callable[..., torch.Tensor] = self._layer
         if compile:
             self._layer_fn = torch.compile(self._layer, fullgraph=True, dynamic=True)
@@ -91,6 +92,8 @@ class FixedStep:
         B = tokens.shape[0]
         host = store.lengths[:, :B]
         extent = int(host.max()) + 1
+        if extent > store.capacities[0]:  # as KVStore.append: never an index past the slot
+            raise RuntimeError(f"KV slot overflow: need {extent} entries, capacity {store.capacities[0]}")
         if self.bucket_keys:
             extent = min(store.capacities[0], key_bucket(extent))
         lengths = host.to(tokens.device)
@@ -101,11 +104,11 @@ class FixedStep:
         zero_aux = [store.aux[n] for n in store.aux_names if not (accumulate and n == "attn")]
         args = (tokens, positions, lengths, extent, store.k, store.v, store.pos, attn, zero_aux, q_ring, q_pos, steer)
         if not self.compiled:
-            return self._fn(*args)
+            return self._step(*args)
         # No duck shaping: a batch that happens to equal a model dimension (the kv heads) when the graph is traced
         # must not become a guard that the next batch size fails.
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            return self._fn(*args)
+            return self._step(*args)
 
     def _step(self, tokens, positions, lengths, extent: int, k_store: list, v_store: list, pos_store: list,
               attn: list | None, zero_aux: list, q_ring: torch.Tensor | None, q_pos: Any,
