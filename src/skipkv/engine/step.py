@@ -6,14 +6,14 @@ tensors, so that it can run eagerly (checked against the HF-module step) or comp
 
 What makes it fixed: the rows' lengths go in as a tensor [L, B] (a copy of the store's host lengths), the new
 entry of every row and layer is written by index at that length, attention reads the first `extent` entries of
-every layer with the mask built inside the step from the lengths, and policies' decode-time observations are index
+each layer with the mask built inside the step from the lengths, and policies' decode-time observations are index
 writes into their own buffers (the query ring of `QueryBuffer`, H2O's accumulators). Steering is an add of
 `scale[b] * vector` at one layer's input. Compression, prefill, sampling and the hidden-state observation run
 outside, between steps, and rewrite the same store tensors in place; nothing here keeps state between calls.
 
 The arithmetic is the HF module's, op for op (RMSNorm in fp32, rotary as `apply_rotary_pos_emb`, q.k and the
 softmax in fp32, p.V through `attention._probs_times_values`; compiled, one matmul in the same dtypes), and the
-linears are the model's own modules (packed, transposed or dense). The extent is the longest row's entries plus
+linears are the model's own modules (packed, transposed or dense). A layer's extent is its longest row's entries plus
 the new one, as in the HF step, so on a CPU whose decode attention is the grouped one the two give the same bits
 (tests/test_fixed_step.py checks tokens and every cache entry after every step). With `bucket_keys` the extent is
 rounded up to `hardware.key_bucket` (a few shapes, for a captured graph); a batched fp32 softmax over another
@@ -91,18 +91,20 @@ class FixedStep:
         `steer`: (layer, vector [E], scale [B]) added at that layer's input. Returns the final hidden [B, E]."""
         B = tokens.shape[0]
         host = store.lengths[:, :B]
-        extent = int(host.max()) + 1
-        if extent > store.capacities[0]:  # as KVStore.append: never an index past the slot
-            raise RuntimeError(f"KV slot overflow: need {extent} entries, capacity {store.capacities[0]}")
+        # Per layer, as the HF step reads it: the longest row's entries plus the new one (layers may hold different
+        # counts, e.g. PyramidKV's, in a store of one capacity).
+        extents = [int(n) + 1 for n in host.amax(dim=1).tolist()]
+        if max(extents) > store.capacities[0]:  # as KVStore.append: never an index past the slot
+            raise RuntimeError(f"KV slot overflow: need {max(extents)} entries, capacity {store.capacities[0]}")
         if self.bucket_keys:
-            extent = min(store.capacities[0], key_bucket(extent))
+            extents = [min(store.capacities[0], key_bucket(e)) for e in extents]
         lengths = host.to(tokens.device)
         q_ring = q_pos = None
         if queries is not None:
             q_ring, q_pos = queries.q, queries.qpos
         attn = store.aux["attn"] if accumulate else None
         zero_aux = [store.aux[n] for n in store.aux_names if not (accumulate and n == "attn")]
-        args = (tokens, positions, lengths, extent, store.k, store.v, store.pos, attn, zero_aux, q_ring, q_pos, steer)
+        args = (tokens, positions, lengths, extents, store.k, store.v, store.pos, attn, zero_aux, q_ring, q_pos, steer)
         if not self.compiled:
             return self._step(*args)
         # No duck shaping: a batch that happens to equal a model dimension (the kv heads) when the graph is traced
@@ -110,7 +112,7 @@ class FixedStep:
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             return self._step(*args)
 
-    def _step(self, tokens, positions, lengths, extent: int, k_store: list, v_store: list, pos_store: list,
+    def _step(self, tokens, positions, lengths, extents: list[int], k_store: list, v_store: list, pos_store: list,
               attn: list | None, zero_aux: list, q_ring: torch.Tensor | None, q_pos: Any,
               steer: tuple | None) -> torch.Tensor:
         inner = self.model.model
@@ -119,7 +121,6 @@ class FixedStep:
         cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, D]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D] against [B, heads, 1, D]
         rows = torch.arange(B, device=tokens.device)
-        visible = torch.arange(extent, device=tokens.device)[None, None, :] <= lengths[:, :, None]  # [L, B, K]
         pos32 = positions.to(torch.int32)[:, None].expand(B, self.num_kv_heads)
         ring = None
         if q_ring is not None:
@@ -128,18 +129,17 @@ class FixedStep:
         for l, layer in enumerate(inner.layers):
             if steer is not None and steer[0] == l:
                 x = x + steer[2][:, None, None] * steer[1]
-            x = self._layer_fn(layer, x, cos, sin, rows, lengths[l], visible[l], pos32, k_store[l], v_store[l],
+            x = self._layer_fn(layer, x, cos, sin, rows, lengths[l], extents[l], pos32, k_store[l], v_store[l],
                                pos_store[l], None if attn is None else attn[l], [a[l] for a in zero_aux],
                                None if q_ring is None else q_ring[l], ring)
         return _rms(inner.norm, x)[:, 0]
 
-    def _layer(self, layer: Any, x, cos, sin, rows, at_len, visible, pos32, k_store, v_store, pos_store, attn,
+    def _layer(self, layer: Any, x, cos, sin, rows, at_len, extent: int, pos32, k_store, v_store, pos_store, attn,
                zero_aux: list, q_ring, ring) -> torch.Tensor:
-        """One decoder layer for one new token per row. at_len [B]: entries before it; visible [B, K]."""
+        """One decoder layer for one new token per row. at_len [B]: entries before it; `extent`: keys read."""
         B = x.shape[0]
         Hq, H, D = self.num_heads, self.num_kv_heads, self.head_dim
         G = Hq // H
-        extent = visible.shape[-1]
         at = layer.self_attn
         h = _rms(layer.input_layernorm, x)
         q = at.q_proj(h).view(B, 1, Hq, D)
@@ -163,6 +163,7 @@ class FixedStep:
         vc = v_store[:B, :, :extent]
         acc = torch.promote_types(q.dtype, torch.float32)  # as attention._grouped_attention
         logits = torch.matmul(q.reshape(B, H, G, D).to(acc), kc.to(acc).transpose(-1, -2)) * at.scaling
+        visible = torch.arange(extent, device=x.device)[None, :] <= at_len[:, None]  # [B, K]
         logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # [B, H, G, K]
         if attn is not None:
