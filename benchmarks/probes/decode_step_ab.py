@@ -40,7 +40,8 @@ def main() -> None:
             eng = Engine(bundle, policy, EngineConfig(batch_size=args.batch))
             g = torch.Generator().manual_seed(1)
             for i in range(args.batch):
-                ids = torch.randint(100, 1000, (140 + (i * 7) % 30,), generator=g).tolist()
+                top = min(1000, bundle.model.config.vocab_size)  # a tiny model's vocabulary may be smaller
+                ids = torch.randint(0, top, (140 + (i * 7) % 30,), generator=g).tolist()
                 eng.add_request(ids, SamplingParams(max_new_tokens=args.steps + 16, ignore_eos=True))
             t0 = time.perf_counter()
             for _ in range(8):
