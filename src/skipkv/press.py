@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -35,31 +34,11 @@ from skipkv.engine.engine import new_request
 from skipkv.engine.request import Request
 from skipkv.engine.runner import NO_MASKS, ModelRunner
 from skipkv.errors import SkipKVError
-from skipkv.hardware import sdpa_context
-from skipkv.models import SUPPORTED_FAMILIES, check_attention_layout
+from skipkv.kernels import sdpa_context
+from skipkv.models import SUPPORTED_FAMILIES, ModelBundle, check_attention_layout
 from skipkv.policies import Policy, make_policy
 
 GROW = 64  # entries a full layer grows by at once when a sequence outgrows it (no reallocation per token)
-
-
-@dataclass
-class _Bundle:
-    """What the runner and a request read of a model (the engine's ModelBundle, for a user's own model)."""
-
-    model: Any
-    tokenizer: Any
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def max_context(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
 
 @dataclass(frozen=True)
@@ -103,7 +82,7 @@ class KVPress:
         check_attention_layout(model.config, family)
         if getattr(model.config, "_attn_implementation", None) == BACKEND:
             raise SkipKVError("KVPress: an Engine or another press is open on this model; close it first")
-        bundle = _Bundle(model, tokenizer)
+        bundle = ModelBundle(model, tokenizer, str(getattr(model.config, "_name_or_path", "") or family), family)
         # A steering file (SkipKV's and SEAL's `steering` knob) needs the engine's per-request gate each step.
         if getattr(self.policy, "steering", None):
             raise SkipKVError("KVPress: steering is not available inside model.generate; use skipkv.LLM")
@@ -141,7 +120,7 @@ class KVPress:
 class _Session:
     """The press on one model: the runner's store, query buffer and compression, one slot, one sequence."""
 
-    def __init__(self, press: KVPress, bundle: _Bundle) -> None:
+    def __init__(self, press: KVPress, bundle: ModelBundle) -> None:
         self.press, self.bundle = press, bundle
         self.runner = ModelRunner(bundle, press.policy, num_slots=1, unpad_prefill=False)
         self.request: Request | None = None

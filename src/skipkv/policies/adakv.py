@@ -36,6 +36,13 @@ from skipkv.policies.laprox import model_wide_select
 from skipkv.policies.snapkv import SnapKV
 
 
+def head_floor(policy) -> int:
+    """Entries every kv head keeps at least when its layer is compressed (Ada-KV's safeguard): the protected window
+    and sink + `floor_ratio` of the per-head candidate budget. Policies with those knobs share it."""
+    protected = policy.prefill_window + policy.sink
+    return protected + int(policy.floor_ratio * (policy.budget - protected))
+
+
 @POLICIES.register("adakv")
 @dataclass(frozen=True)
 class AdaKV(SnapKV):
@@ -58,9 +65,7 @@ class AdaKV(SnapKV):
         return True
 
     def head_floor(self) -> int:
-        """Entries every kv head keeps at least when its layer is compressed: protected + the floor's candidates."""
-        protected = self.prefill_window + self.sink
-        return protected + int(self.floor_ratio * (self.budget - protected))
+        return head_floor(self)
 
     def head_prefill_keep(self, num_layers: int, num_kv_heads: int, prompt_len: int, prefix_len: int) -> list[int]:
         # A head keeps at most its layer's total less what the other heads keep at least (min(prefix, floor)

@@ -44,6 +44,7 @@ import torch
 from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
+from skipkv.policies.adakv import head_floor
 from skipkv.policies.base import Observation, Policy
 from skipkv.policies.laprox import model_wide_select
 from skipkv.scoring.critical import causal_window_attention, defensive_scores, mass_prefix, projected_value_norm
@@ -111,9 +112,7 @@ class DefensiveKV(Policy):
         return True
 
     def head_floor(self) -> int:
-        """Entries every kv head keeps at least when compressed: protected + the floor's candidates."""
-        protected = self.prefill_window + self.sink
-        return protected + int(self.floor_ratio * (self.budget - protected))
+        return head_floor(self)
 
     def units_per_selection(self, num_layers: int, num_kv_heads: int) -> int:
         """(layer, kv head) units that share one top-k: a layer's heads."""
