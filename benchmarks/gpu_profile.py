@@ -12,7 +12,7 @@ measures, in one process:
    wall time, the GPU's busy time (the sum of the profiler's device kernel times), and the number of kernels
    launched, for `full` and `rkv` (budget 512, compressing from step one: its prompt is over the budget);
 3. the same for transformers' own forward at batch 1 with its DynamicCache (the reference path), with torch's
-   own SDPA choice and with the engine's (hardware.cuda_sdpa_backends: cuDNN excluded).
+   own SDPA choice and with the engine's (kernels.cuda_sdpa_backends: cuDNN excluded).
 Wall time far above device busy time, with (kernels x launch cost) close to the wall time, means the step is
 bound by the host's launches, not by the GPU. Writes profile.json (and the profiler's top-op tables) to --out.
 """
@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from skipkv import SamplingParams, make_policy
 from skipkv.config import EngineConfig
 from skipkv.engine import Engine
-from skipkv.hardware import cuda_sdpa_backends, sdpa_context
+from skipkv.kernels import cuda_sdpa_backends, sdpa_context
 from skipkv.models import load_model
 
 MODELS = {"7b": "random:qwen2:7b", "tiny": "random:qwen2"}

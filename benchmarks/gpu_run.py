@@ -11,7 +11,7 @@
    copy of the step's hidden states to the host). CUDA only.
 3. speed: engine (full cache) vs transformers' generate at batch 1 and 8, synthetic 128 in / 128 out, after a
    warm-up of both at that batch; on CUDA
-   transformers also runs under the engine's SDPA backends (hardware.cuda_sdpa_backends: cuDNN excluded).
+   transformers also runs under the engine's SDPA backends (kernels.cuda_sdpa_backends: cuDNN excluded).
 4. throughput: `skipkv bench throughput` at the paper's setting (budget 512) on synthetic 128x4096 and
    128x16384 under one fixed KV memory, each policy cut after --seconds (steady-state rates).
 Nothing is downloaded: random weights in the real shape (random:qwen2:7b = R1-Distill-Qwen-7B's shape).
@@ -33,7 +33,7 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.bench.throughput import Workload, make_workload, run_bench, run_engine, run_hf
 from skipkv.config import EngineConfig, parse_bytes
 from skipkv.engine import Engine, encode_prompt
-from skipkv.hardware import cuda_sdpa_backends, sdpa_context
+from skipkv.kernels import cuda_sdpa_backends, sdpa_context
 from skipkv.models import load_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived a", "2 + 2 =",

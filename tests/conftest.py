@@ -18,10 +18,10 @@ torch.set_num_threads(2)
 # (bf16, as before auto existed) does not depend on the processor CI gets. Subprocesses inherit it.
 # tests/test_hardware.py fakes the capability both ways.
 os.environ.setdefault("SKIPKV_CPU_BF16", "1")
-# Likewise the 16-bit decode attention kernel (fused SDPA where it is faster, hardware.decode_sdpa): the suite runs
+# Likewise the 16-bit decode attention kernel (fused SDPA where it is faster, kernels.decode_sdpa): the suite runs
 # the fused call on every processor; tests/test_hardware.py runs both.
 os.environ.setdefault("SKIPKV_DECODE_SDPA", "1")
-# And the fp32 linears' layout (transposed where MKL is faster that way, hardware.transposed_linears): the suite's
+# And the fp32 linears' layout (transposed where MKL is faster that way, kernels.transposed_linears): the suite's
 # fp32 models run the transposed layout on every processor; tests/test_packed.py runs both.
 os.environ.setdefault("SKIPKV_TRANSPOSED_LINEARS", "1")
 

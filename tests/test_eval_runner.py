@@ -248,29 +248,29 @@ def test_a_knob_added_later_at_its_default_still_resumes(tmp_path: Path) -> None
 def test_a_16bit_run_resumes_only_on_the_attention_it_began_with(tmp_path: Path, monkeypatch) -> None:
     """bf16 decode attention rounds differently with each kernel and p.V dtype, so a bf16 run resumes only on the
     one it recorded; a record from before `pv` existed ("grouped_fp32") is the grouped kernel with p.V in fp32."""
-    from skipkv import hardware
+    from skipkv import kernels
 
-    monkeypatch.setenv(hardware.SDPA_ENV, "0")
-    monkeypatch.delenv(hardware.PV_ENV, raising=False)
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")
+    monkeypatch.delenv(kernels.PV_ENV, raising=False)
     out = tmp_path / "run"
     run_eval(small(out, limit=1, dtype="bf16"))
     path = out / "config.json"
     config = json.loads(path.read_text())
-    assert hardware.attention_kernel(config["environment"]["decode_attention_cpu"]) == ("grouped", "model")
+    assert kernels.attention_kernel(config["environment"]["decode_attention_cpu"]) == ("grouped", "model")
     config["environment"]["decode_attention_cpu"] = {"kernel": "grouped_fp32", "reason": "older record"}
     path.write_text(json.dumps(config))
     with pytest.raises(SkipKVError, match="p.V in fp32, this run would use grouped and model; resume it with "
                                           "SKIPKV_DECODE_SDPA=0 SKIPKV_DECODE_PV=fp32"):
         run_eval(small(out, limit=2, dtype="bf16"))
-    monkeypatch.setenv(hardware.PV_ENV, "fp32")
+    monkeypatch.setenv(kernels.PV_ENV, "fp32")
     run_eval(small(out, limit=2, dtype="bf16"))  # the recorded kernel: resumes
     assert len(records(out)) == 2
-    monkeypatch.setenv(hardware.SDPA_ENV, "1")
+    monkeypatch.setenv(kernels.SDPA_ENV, "1")
     with pytest.raises(SkipKVError, match="resume it with SKIPKV_DECODE_SDPA=0"):
         run_eval(small(out, limit=3, dtype="bf16"))
     fp32 = tmp_path / "fp32"  # fp32 runs do not depend on the 16-bit kernel
     run_eval(small(fp32, limit=1))
-    monkeypatch.setenv(hardware.PV_ENV, "model")
+    monkeypatch.setenv(kernels.PV_ENV, "model")
     run_eval(small(fp32, limit=2))
     assert len(records(fp32)) == 2
 
@@ -279,32 +279,32 @@ def test_a_bf16_run_resumes_only_on_the_linears_it_began_with(tmp_path: Path, mo
     """oneDNN's bf16 kernel, fp32 products of upcast weights and torch's own bf16 linear round differently, so a
     bf16 run begun on one (e.g. the upcast path of an AVX2 CPU) is refused on another (a CPU with AVX512-BF16
     would pack) with the switches that restore it; a record from before the upcast path is not checked."""
-    from skipkv import hardware
+    from skipkv import kernels
 
-    monkeypatch.setenv(hardware.SDPA_ENV, "0")
-    monkeypatch.setenv(hardware.PV_ENV, "fp32")
-    monkeypatch.setenv(hardware.PACK_ENV, "0")
-    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")
+    monkeypatch.setenv(kernels.PV_ENV, "fp32")
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "1")
     out = tmp_path / "run"
     run_eval(small(out, limit=1, dtype="bf16"))
     config = json.loads((out / "config.json").read_text())
-    assert hardware.linear_kernel(config["environment"]) == "upcast"
-    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    assert kernels.linear_kernel(config["environment"]) == "upcast"
+    monkeypatch.setenv(kernels.UPCAST_ENV, "0")
     with pytest.raises(SkipKVError, match="was run with upcast bf16 linears, this run would use torch; resume it "
                                           "with SKIPKV_PACKED_LINEARS=0 SKIPKV_UPCAST_LINEARS=1"):
         run_eval(small(out, limit=2, dtype="bf16"))
     assert len(records(out)) == 1
-    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "1")
     run_eval(small(out, limit=2, dtype="bf16"))  # the recorded linears: resumes
     assert len(records(out)) == 2
     del config["environment"]["upcast_linears_cpu_bf16"]  # written before the upcast path existed
     (out / "config.json").write_text(json.dumps(config))
-    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "0")
     run_eval(small(out, limit=3, dtype="bf16"))
     assert len(records(out)) == 3
     fp32 = tmp_path / "fp32"  # fp32 runs do not depend on the bf16 linears
     run_eval(small(fp32, limit=1))
-    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "1")
     run_eval(small(fp32, limit=2))
     assert len(records(fp32)) == 2
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from skipkv import hardware
+from skipkv import hardware, kernels
 from skipkv.cli import main
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
@@ -50,7 +50,7 @@ def test_proc_cpuinfo_when_torch_has_no_check(monkeypatch, tmp_path, flags, expe
                 return f"model name\t: Some CPU\nflags\t\t: {flags}\n"
             return super().read_text(*a, **k)
 
-    monkeypatch.setattr(hardware, "Path", FakeCpuinfo)
+    monkeypatch.setattr(kernels, "Path", FakeCpuinfo)
     choice = hardware.choose_dtype("cpu")
     assert choice.dtype == expected and "/proc/cpuinfo" in choice.reason
 
@@ -104,37 +104,37 @@ def test_threads_must_not_be_negative():
 @pytest.mark.parametrize("amx,expected", [(True, True), (False, False), (None, None)])
 def test_decode_attention_follows_amx(monkeypatch, amx, expected):
     fake_cpu(monkeypatch, avx512_bf16=True, amx=amx)
-    monkeypatch.delenv(hardware.SDPA_ENV, raising=False)
-    hardware._decode_sdpa.cache_clear()
+    monkeypatch.delenv(kernels.SDPA_ENV, raising=False)
+    kernels._decode_sdpa.cache_clear()
     if amx is None:  # no torch check: /proc/cpuinfo decides
-        expected = "amx_tile" in hardware.cpu_flags()
-    ok, why = hardware.decode_sdpa("cpu")
+        expected = "amx_tile" in kernels.cpu_flags()
+    ok, why = kernels.decode_sdpa("cpu")
     assert ok is expected and ("AMX" in why or "amx" in why)
-    assert hardware.decode_sdpa("cuda")[0] is True
-    monkeypatch.setenv(hardware.SDPA_ENV, "0")
-    assert hardware.decode_sdpa("cpu") == (False, "SKIPKV_DECODE_SDPA=0 (overridden)")
-    monkeypatch.setenv(hardware.SDPA_ENV, "yes")
+    assert kernels.decode_sdpa("cuda")[0] is True
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")
+    assert kernels.decode_sdpa("cpu") == (False, "SKIPKV_DECODE_SDPA=0 (overridden)")
+    monkeypatch.setenv(kernels.SDPA_ENV, "yes")
     with pytest.raises(SkipKVError, match="SKIPKV_DECODE_SDPA must be 0 or 1"):
-        hardware.decode_sdpa("cpu")
-    hardware._decode_sdpa.cache_clear()
+        kernels.decode_sdpa("cpu")
+    kernels._decode_sdpa.cache_clear()
 
 
 def test_cuda_sdpa_excludes_cudnn_unless_asked(monkeypatch):
     from torch.nn.attention import SDPBackend
 
-    monkeypatch.delenv(hardware.CUDNN_SDPA_ENV, raising=False)
-    backends, why = hardware.cuda_sdpa_backends()
+    monkeypatch.delenv(kernels.CUDNN_SDPA_ENV, raising=False)
+    backends, why = kernels.cuda_sdpa_backends()
     assert SDPBackend.CUDNN_ATTENTION not in backends and SDPBackend.MATH in backends and "cuDNN" in why
-    with hardware.sdpa_context("cuda"):  # enters without a GPU: it only sets torch's backend flags
+    with kernels.sdpa_context("cuda"):  # enters without a GPU: it only sets torch's backend flags
         assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on exit
-    with hardware.sdpa_context("cpu"):
+    with kernels.sdpa_context("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled()
-    monkeypatch.setenv(hardware.CUDNN_SDPA_ENV, "1")
-    assert hardware.cuda_sdpa_backends()[0] == ()  # torch's own choice
-    monkeypatch.setenv(hardware.CUDNN_SDPA_ENV, "on")
+    monkeypatch.setenv(kernels.CUDNN_SDPA_ENV, "1")
+    assert kernels.cuda_sdpa_backends()[0] == ()  # torch's own choice
+    monkeypatch.setenv(kernels.CUDNN_SDPA_ENV, "on")
     with pytest.raises(SkipKVError, match="SKIPKV_CUDNN_SDPA must be 0 or 1"):
-        hardware.cuda_sdpa_backends()
+        kernels.cuda_sdpa_backends()
 
 
 @pytest.mark.parametrize("use_sdpa", ["1", "0"])
@@ -146,7 +146,7 @@ def test_bf16_decode_runs_the_chosen_kernel(monkeypatch, use_sdpa):
     from skipkv.attention import F as attn_F
 
     bundle = load_model("random:qwen2", dtype="bf16")
-    monkeypatch.setenv(hardware.SDPA_ENV, use_sdpa)
+    monkeypatch.setenv(kernels.SDPA_ENV, use_sdpa)
     calls = []
     real = attn_F.scaled_dot_product_attention
 
@@ -167,16 +167,16 @@ def test_bf16_decode_runs_the_chosen_kernel(monkeypatch, use_sdpa):
 
 
 def test_decode_pv_default_override_and_record(monkeypatch):
-    monkeypatch.delenv(hardware.PV_ENV, raising=False)
-    assert hardware.decode_pv()[0] == "model"
+    monkeypatch.delenv(kernels.PV_ENV, raising=False)
+    assert kernels.decode_pv()[0] == "model"
     assert hardware.environment()["decode_attention_cpu"]["pv"] == "model"
-    monkeypatch.setenv(hardware.PV_ENV, "fp32")
-    assert hardware.decode_pv() == ("fp32", "SKIPKV_DECODE_PV=fp32 (overridden)")
+    monkeypatch.setenv(kernels.PV_ENV, "fp32")
+    assert kernels.decode_pv() == ("fp32", "SKIPKV_DECODE_PV=fp32 (overridden)")
     assert hardware.environment()["decode_attention_cpu"]["pv"] == "fp32"
-    monkeypatch.setenv(hardware.PV_ENV, "bf16")
+    monkeypatch.setenv(kernels.PV_ENV, "bf16")
     with pytest.raises(SkipKVError, match="SKIPKV_DECODE_PV must be fp32 or model"):
-        hardware.decode_pv()
-    assert hardware.attention_kernel({"kernel": "grouped_fp32"}) == ("grouped", "fp32")
+        kernels.decode_pv()
+    assert kernels.attention_kernel({"kernel": "grouped_fp32"}) == ("grouped", "fp32")
 
 
 @pytest.mark.parametrize("pv", ["model", "fp32"])
@@ -188,8 +188,8 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
     from skipkv import SamplingParams, generate, make_policy
     from skipkv import attention as attn
 
-    monkeypatch.setenv(hardware.SDPA_ENV, "0")
-    monkeypatch.setenv(hardware.PV_ENV, pv)
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")
+    monkeypatch.setenv(kernels.PV_ENV, pv)
     bundle = load_model("random:qwen2", dtype="bf16")
     seen = []
     real = attn._probs_times_values
@@ -213,23 +213,23 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
 
 
 def test_key_bucket():
-    buckets = [hardware.key_bucket(k) for k in range(1, 20000)]
+    buckets = [kernels.key_bucket(k) for k in range(1, 20000)]
     assert all(b >= k for k, b in enumerate(buckets, 1))
     assert all(b % 64 == 0 for b in buckets)
     assert all(b - k < 64 for k, b in enumerate(buckets[:1024], 1))  # multiples of 64 up to 1,024 keys
     assert all(b <= k * 1.125 for k, b in enumerate(buckets, 1) if k > 1024)
     assert buckets == sorted(buckets)
     assert len(set(buckets)) == 16 + 8 * 4 + 2  # up to 1,024; four octaves of 8; 16,385..19,999 in steps of 2,048
-    assert [hardware.key_bucket(k) for k in (64, 65, 1025, 2049, 8193)] == [64, 128, 1152, 2304, 9216]
+    assert [kernels.key_bucket(k) for k in (64, 65, 1025, 2049, 8193)] == [64, 128, 1152, 2304, 9216]
 
 
 def test_pv_buckets_probe_override_and_record(monkeypatch):
-    monkeypatch.delenv(hardware.BUCKET_ENV, raising=False)
-    hardware._pv_buckets.cache_clear()
-    ok, why = hardware.pv_buckets(torch.bfloat16)
-    assert ok == hardware._padding_is_exact(torch.bfloat16) and "probe" in why
+    monkeypatch.delenv(kernels.BUCKET_ENV, raising=False)
+    kernels._pv_buckets.cache_clear()
+    ok, why = kernels.pv_buckets(torch.bfloat16)
+    assert ok == kernels._padding_is_exact(torch.bfloat16) and "probe" in why
     assert hardware.environment()["decode_attention_cpu"]["pv_key_buckets_bf16"] == ok
-    assert hardware.pv_buckets(torch.float16) == (False, "float16: key buckets are used for bf16 only")
+    assert kernels.pv_buckets(torch.float16) == (False, "float16: key buckets are used for bf16 only")
     real_bmm, calls = torch.bmm, []
 
     def bmm_padded_off_by_one_ulp(a, b):  # the probe multiplies each shape unpadded, then padded
@@ -238,18 +238,18 @@ def test_pv_buckets_probe_override_and_record(monkeypatch):
         return torch.nextafter(out, torch.full_like(out, float("inf"))) if len(calls) % 2 == 0 else out
 
     monkeypatch.setattr(hardware.torch, "bmm", bmm_padded_off_by_one_ulp)
-    assert hardware._padding_is_exact(torch.bfloat16) is False
+    assert kernels._padding_is_exact(torch.bfloat16) is False
     monkeypatch.setattr(hardware.torch, "bmm", real_bmm)
-    monkeypatch.setattr(hardware, "_padding_is_exact", lambda dtype: False)
-    hardware._pv_buckets.cache_clear()
-    assert hardware.pv_buckets(torch.bfloat16) == (False, "padded keys changed the bits in a probe of this machine's "
+    monkeypatch.setattr(kernels, "_padding_is_exact", lambda dtype: False)
+    kernels._pv_buckets.cache_clear()
+    assert kernels.pv_buckets(torch.bfloat16) == (False, "padded keys changed the bits in a probe of this machine's "
                                                           "matmul")
-    monkeypatch.setenv(hardware.BUCKET_ENV, "1")
-    assert hardware.pv_buckets(torch.bfloat16) == (True, "SKIPKV_DECODE_PV_BUCKETS=1 (overridden)")
-    monkeypatch.setenv(hardware.BUCKET_ENV, "yes")
+    monkeypatch.setenv(kernels.BUCKET_ENV, "1")
+    assert kernels.pv_buckets(torch.bfloat16) == (True, "SKIPKV_DECODE_PV_BUCKETS=1 (overridden)")
+    monkeypatch.setenv(kernels.BUCKET_ENV, "yes")
     with pytest.raises(SkipKVError, match="SKIPKV_DECODE_PV_BUCKETS must be 0 or 1"):
-        hardware.pv_buckets(torch.bfloat16)
-    hardware._pv_buckets.cache_clear()
+        kernels.pv_buckets(torch.bfloat16)
+    kernels._pv_buckets.cache_clear()
 
 
 @pytest.mark.parametrize("policy", ["full", "pyramidkv"])
@@ -260,8 +260,8 @@ def test_bf16_p_v_runs_over_key_buckets(monkeypatch, policy):
     from skipkv import SamplingParams, generate, make_policy
     from skipkv import attention as attn
 
-    monkeypatch.setenv(hardware.SDPA_ENV, "0")
-    monkeypatch.setenv(hardware.PV_ENV, "model")
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")
+    monkeypatch.setenv(kernels.PV_ENV, "model")
     bundle = load_model("random:qwen2", dtype="bf16")
     real_matmul, real_pv = torch.matmul, attn._probs_times_values
     seen: list[tuple[int, int, int]] = []  # (keys, store capacity, keys the product ran over)
@@ -279,7 +279,7 @@ def test_bf16_p_v_runs_over_key_buckets(monkeypatch, policy):
     monkeypatch.setattr(attn, "_probs_times_values", pv)
     tokens = {}
     for on in ("1", "0"):
-        monkeypatch.setenv(hardware.BUCKET_ENV, on)
+        monkeypatch.setenv(kernels.BUCKET_ENV, on)
         seen.clear()
         out = generate(bundle, ["The quick brown fox", "Once upon a time, in a land far away, there lived a " * 6],
                        SamplingParams(max_new_tokens=40, ignore_eos=True),
@@ -287,7 +287,7 @@ def test_bf16_p_v_runs_over_key_buckets(monkeypatch, policy):
         tokens[on] = [o.token_ids for o in out]
         assert seen
         if on == "1":
-            assert all(ran == min(hardware.key_bucket(k), cap) for k, cap, ran in seen)
+            assert all(ran == min(kernels.key_bucket(k), cap) for k, cap, ran in seen)
             assert any(ran > k for k, _, ran in seen)
         else:
             assert all(ran == k for k, _, ran in seen)
@@ -385,11 +385,11 @@ def test_a_freed_large_block_is_reused_without_page_faults():
 
 @pytest.mark.parametrize("env, check", [
     (hardware.OVERRIDE_ENV, lambda: hardware.native_bf16()),
-    (hardware.SDPA_ENV, lambda: hardware.decode_sdpa("cpu")),
-    (hardware.BUCKET_ENV, lambda: hardware.pv_buckets(torch.bfloat16)),
-    (hardware.PACK_ENV, lambda: hardware.packed_linears(torch.bfloat16)),
-    (hardware.UPCAST_ENV, lambda: hardware.upcast_linears(torch.bfloat16)),
-    (hardware.TRANSPOSE_ENV, lambda: hardware.transposed_linears(torch.float32)),
+    (kernels.SDPA_ENV, lambda: kernels.decode_sdpa("cpu")),
+    (kernels.BUCKET_ENV, lambda: kernels.pv_buckets(torch.bfloat16)),
+    (kernels.PACK_ENV, lambda: kernels.packed_linears(torch.bfloat16)),
+    (kernels.UPCAST_ENV, lambda: kernels.upcast_linears(torch.bfloat16)),
+    (kernels.TRANSPOSE_ENV, lambda: kernels.transposed_linears(torch.float32)),
 ])
 def test_every_on_off_override_rejects_other_values(monkeypatch, env, check):
     """Each 0/1 switch names itself in a one-line error for any other value, and takes 0 and 1."""

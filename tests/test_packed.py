@@ -1,12 +1,12 @@
 """Prepacked, upcast and transposed linears (models/packed.py): what each computes, chosen by
-hardware.packed_linears, hardware.upcast_linears and hardware.transposed_linears."""
+kernels.packed_linears, kernels.upcast_linears and kernels.transposed_linears."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from skipkv import SamplingParams, generate, hardware, make_policy
+from skipkv import SamplingParams, generate, hardware, kernels, make_policy
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
 from skipkv.models.packed import PackedLinear, TransposedLinear, UpcastLinear, transpose_linears
@@ -30,13 +30,13 @@ def test_packed_linear_is_bit_identical(bias, lead):
 
 @needs_bf16
 def test_bf16_models_pack_and_generate_the_same_tokens(monkeypatch):
-    monkeypatch.delenv(hardware.PACK_ENV, raising=False)
+    monkeypatch.delenv(kernels.PACK_ENV, raising=False)
     packed = load_model("random:qwen2", dtype="bf16")
     assert "prepacked" in packed.packed_linears
     layer = packed.model.model.layers[0]
     assert isinstance(layer.mlp.gate_proj, PackedLinear) and isinstance(layer.self_attn.o_proj, PackedLinear)
     assert layer.self_attn.o_proj.weight.dtype == torch.bfloat16  # LaProx reads it
-    monkeypatch.setenv(hardware.PACK_ENV, "0")
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
     dense = load_model("random:qwen2", dtype="bf16")
     assert isinstance(dense.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -48,25 +48,25 @@ def test_bf16_models_pack_and_generate_the_same_tokens(monkeypatch):
 
 
 def test_only_bf16_on_a_cpu_packs(monkeypatch):
-    monkeypatch.delenv(hardware.PACK_ENV, raising=False)
-    assert hardware.packed_linears(torch.float32, "cpu")[0] is False
-    assert hardware.packed_linears(torch.float64, "cpu")[0] is False
-    assert hardware.packed_linears(torch.bfloat16, "cuda")[0] is False
+    monkeypatch.delenv(kernels.PACK_ENV, raising=False)
+    assert kernels.packed_linears(torch.float32, "cpu")[0] is False
+    assert kernels.packed_linears(torch.float64, "cpu")[0] is False
+    assert kernels.packed_linears(torch.bfloat16, "cuda")[0] is False
     assert "prepacked" not in load_model("random:qwen2", dtype="fp64").packed_linears
-    monkeypatch.setenv(hardware.PACK_ENV, "0")
-    assert hardware.packed_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_PACKED_LINEARS=0 (overridden)")
-    monkeypatch.setenv(hardware.PACK_ENV, "on")
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
+    assert kernels.packed_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_PACKED_LINEARS=0 (overridden)")
+    monkeypatch.setenv(kernels.PACK_ENV, "on")
     with pytest.raises(SkipKVError, match="SKIPKV_PACKED_LINEARS must be 0 or 1"):
-        hardware.packed_linears(torch.bfloat16, "cpu")
+        kernels.packed_linears(torch.bfloat16, "cpu")
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_fp32_packs_only_when_asked_and_computes_the_same_linear(monkeypatch):
     """fp32 prepacking is opt-in (SKIPKV_PACKED_LINEARS=1): oneDNN's fp32 kernel sums in another order than
     MKL's, so its products agree to fp32 rounding, not bit for bit."""
-    monkeypatch.setenv(hardware.PACK_ENV, "1")
-    assert hardware.packed_linears(torch.float32, "cpu") == (True, "CPU, fp32, oneDNN (SKIPKV_PACKED_LINEARS=1)")
-    assert hardware.packed_linears(torch.float64, "cpu")[0] is False
+    monkeypatch.setenv(kernels.PACK_ENV, "1")
+    assert kernels.packed_linears(torch.float32, "cpu") == (True, "CPU, fp32, oneDNN (SKIPKV_PACKED_LINEARS=1)")
+    assert kernels.packed_linears(torch.float64, "cpu")[0] is False
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 80)
     for lead in ((1,), (5,), (2, 7)):
@@ -76,7 +76,7 @@ def test_fp32_packs_only_when_asked_and_computes_the_same_linear(monkeypatch):
     assert "prepacked" in bundle.packed_linears
     assert isinstance(bundle.model.model.layers[0].mlp.down_proj, PackedLinear)
     assert bundle.model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32  # LaProx reads it
-    monkeypatch.setenv(hardware.PACK_ENV, "0")
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
     dense = load_model("random:qwen2", dtype="fp32")
     ids = torch.tensor([[3, 17, 99, 5, 42, 7]])
     with torch.no_grad():
@@ -111,11 +111,11 @@ def test_upcast_linear_is_fp32_products_rounded_once(bias, lead):
 
 
 def test_bf16_models_upcast_on_request_and_compute_the_same_function(monkeypatch):
-    monkeypatch.setenv(hardware.PACK_ENV, "0")
-    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "0")
     dense = load_model("random:qwen2", dtype="bf16")
     assert isinstance(dense.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
-    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "1")
     up = load_model("random:qwen2", dtype="bf16")
     assert "upcast to fp32" in up.packed_linears and up.dtype == torch.bfloat16
     layer = up.model.model.layers[0]
@@ -133,21 +133,21 @@ def test_bf16_models_upcast_on_request_and_compute_the_same_function(monkeypatch
 
 
 def test_only_bf16_on_a_cpu_without_onednn_bf16_upcasts(monkeypatch):
-    monkeypatch.delenv(hardware.UPCAST_ENV, raising=False)
-    monkeypatch.delenv(hardware.PACK_ENV, raising=False)
-    assert hardware.upcast_linears(torch.float32, "cpu")[0] is False
-    assert hardware.upcast_linears(torch.bfloat16, "cuda")[0] is False
-    assert hardware.upcast_linears(torch.bfloat16, "cpu")[0] is (not SUPPORTED)
+    monkeypatch.delenv(kernels.UPCAST_ENV, raising=False)
+    monkeypatch.delenv(kernels.PACK_ENV, raising=False)
+    assert kernels.upcast_linears(torch.float32, "cpu")[0] is False
+    assert kernels.upcast_linears(torch.bfloat16, "cuda")[0] is False
+    assert kernels.upcast_linears(torch.bfloat16, "cpu")[0] is (not SUPPORTED)
     assert "upcast" not in load_model("random:qwen2", dtype="fp32").packed_linears
-    monkeypatch.setenv(hardware.UPCAST_ENV, "0")
-    assert hardware.upcast_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_UPCAST_LINEARS=0 (overridden)")
-    monkeypatch.setenv(hardware.UPCAST_ENV, "1")
-    assert hardware.upcast_linears(torch.bfloat16, "cpu") == (True, "SKIPKV_UPCAST_LINEARS=1 (overridden)")
-    assert hardware.upcast_linears(torch.float32, "cpu")[0] is False
+    monkeypatch.setenv(kernels.UPCAST_ENV, "0")
+    assert kernels.upcast_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_UPCAST_LINEARS=0 (overridden)")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "1")
+    assert kernels.upcast_linears(torch.bfloat16, "cpu") == (True, "SKIPKV_UPCAST_LINEARS=1 (overridden)")
+    assert kernels.upcast_linears(torch.float32, "cpu")[0] is False
     assert hardware.environment()["upcast_linears_cpu_bf16"]["upcast"] is True
-    monkeypatch.setenv(hardware.UPCAST_ENV, "yes")
+    monkeypatch.setenv(kernels.UPCAST_ENV, "yes")
     with pytest.raises(SkipKVError, match="SKIPKV_UPCAST_LINEARS must be 0 or 1"):
-        hardware.upcast_linears(torch.bfloat16, "cpu")
+        kernels.upcast_linears(torch.bfloat16, "cpu")
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -170,10 +170,10 @@ def test_transposed_linear_is_the_fp32_linear_with_one_copy(bias, lead):
 
 
 def test_fp32_models_transpose_on_request_and_compute_the_same_function(monkeypatch):
-    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "0")
+    monkeypatch.setenv(kernels.TRANSPOSE_ENV, "0")
     plain = load_model("random:qwen2:sharp", dtype="fp32")
     assert isinstance(plain.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
-    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "1")
+    monkeypatch.setenv(kernels.TRANSPOSE_ENV, "1")
     tr = load_model("random:qwen2:sharp", dtype="fp32")
     assert "stored (in, out)" in tr.packed_linears and tr.dtype == torch.float32
     layer = tr.model.model.layers[0]
@@ -211,29 +211,29 @@ def test_a_tied_output_layer_keeps_one_transposed_copy():
 
 
 def test_only_fp32_on_an_avx2_cpu_without_avx512_transposes(monkeypatch):
-    monkeypatch.delenv(hardware.TRANSPOSE_ENV, raising=False)
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})
-    assert hardware.transposed_linears(torch.float32, "cpu")[0] is True
-    assert hardware.transposed_linears(torch.float64, "cpu")[0] is False
-    assert hardware.transposed_linears(torch.bfloat16, "cpu")[0] is False
-    assert hardware.transposed_linears(torch.float32, "cuda")[0] is False
+    monkeypatch.delenv(kernels.TRANSPOSE_ENV, raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2"})
+    assert kernels.transposed_linears(torch.float32, "cpu")[0] is True
+    assert kernels.transposed_linears(torch.float64, "cpu")[0] is False
+    assert kernels.transposed_linears(torch.bfloat16, "cpu")[0] is False
+    assert kernels.transposed_linears(torch.float32, "cuda")[0] is False
     assert "stored (in, out)" in load_model("random:qwen2", dtype="fp32").packed_linears
     assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp64").packed_linears
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512f"})
-    assert hardware.transposed_linears(torch.float32, "cpu") == (
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert kernels.transposed_linears(torch.float32, "cpu") == (
         False, "CPU with AVX512: the transposed layout was measured on AVX2-only CPUs only")
     assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp32").packed_linears
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: set())
-    assert hardware.transposed_linears(torch.float32, "cpu")[0] is False
-    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "1")
-    assert hardware.transposed_linears(torch.float32, "cpu") == (True, "SKIPKV_TRANSPOSED_LINEARS=1 (overridden)")
-    assert hardware.transposed_linears(torch.float64, "cpu")[0] is False
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: set())
+    assert kernels.transposed_linears(torch.float32, "cpu")[0] is False
+    monkeypatch.setenv(kernels.TRANSPOSE_ENV, "1")
+    assert kernels.transposed_linears(torch.float32, "cpu") == (True, "SKIPKV_TRANSPOSED_LINEARS=1 (overridden)")
+    assert kernels.transposed_linears(torch.float64, "cpu")[0] is False
     assert hardware.environment()["transposed_linears_cpu_fp32"]["transposed"] is True
-    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "0")
-    assert hardware.transposed_linears(torch.float32, "cpu") == (False, "SKIPKV_TRANSPOSED_LINEARS=0 (overridden)")
-    monkeypatch.setenv(hardware.TRANSPOSE_ENV, "true")
+    monkeypatch.setenv(kernels.TRANSPOSE_ENV, "0")
+    assert kernels.transposed_linears(torch.float32, "cpu") == (False, "SKIPKV_TRANSPOSED_LINEARS=0 (overridden)")
+    monkeypatch.setenv(kernels.TRANSPOSE_ENV, "true")
     with pytest.raises(SkipKVError, match="SKIPKV_TRANSPOSED_LINEARS must be 0 or 1"):
-        hardware.transposed_linears(torch.float32, "cpu")
+        kernels.transposed_linears(torch.float32, "cpu")
 
 
 def test_replacing_linears_frees_each_old_weight_before_the_next_copy(monkeypatch):

@@ -8,7 +8,7 @@ batched matmuls alone.
     python benchmarks/probes/decode_attention_ops.py --sdpa-check --threads 2 --out FILE.json
 
 --sdpa-check instead times one layer's attention (no append) with every key visible to every row (batch 1, or rows
-of equal length: where hardware.decode_sdpa chooses between torch's fused SDPA and the grouped matmul) at batch 1
+of equal length: where kernels.decode_sdpa chooses between torch's fused SDPA and the grouped matmul) at batch 1
 and 16 over 128 to 4K keys, both ways through `skipkv_attention` (SKIPKV_DECODE_SDPA=1 / 0): whether this
 processor's default (SDPA only with AMX) holds.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from skipkv import hardware
+from skipkv import hardware, kernels
 from skipkv.attention import StepContext, skipkv_attention
 from skipkv.cache.store import KVStore
 from skipkv.outputs import write_atomic
@@ -70,7 +70,7 @@ def sdpa_check() -> dict[str, dict[str, float]]:
 
         row = {}
         for label, value in (("sdpa", "1"), ("grouped", "0")):
-            os.environ[hardware.SDPA_ENV] = value
+            os.environ[kernels.SDPA_ENV] = value
             row[label] = per_call_us(call, calls=200)
         out[f"batch {B}, {K} keys"] = row
         print(f"batch {B:>2}, {K:>4} keys: fused SDPA {row['sdpa']:8.1f} us, grouped {row['grouped']:8.1f} us")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     threads = hardware.set_threads(args.threads)
     if args.sdpa_check:
-        default = hardware.decode_sdpa("cpu")
+        default = kernels.decode_sdpa("cpu")
         rows_sdpa = sdpa_check()
         if args.out:
             write_atomic(Path(args.out), json.dumps({"threads": threads, "us_per_call": rows_sdpa,

@@ -1,4 +1,4 @@
-"""p.V in the model's dtype against p.V in fp32 (hardware.decode_pv), in one process on one engine: R-KV at batch 64
+"""p.V in the model's dtype against p.V in fp32 (kernels.decode_pv), in one process on one engine: R-KV at batch 64
 in its steady state (the capped workload of docs/benchmarks.md: 512 random prompt tokens, budget 256, interval 32),
 decode steps timed in alternating blocks of `--block` steps, one setting then the other, so that both see the same
 cache sizes and the same machine noise. Each block of 32 steps holds exactly one compression (the requests decode
@@ -18,7 +18,8 @@ import time
 from skipkv.bench.throughput import make_workload
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine import Engine
-from skipkv.hardware import PV_ENV, decode_sdpa, environment, set_threads
+from skipkv.hardware import environment, set_threads
+from skipkv.kernels import PV_ENV, decode_sdpa
 from skipkv.models import load_model
 from skipkv.policies import parse_policy_spec
 

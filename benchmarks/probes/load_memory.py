@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skipkv import hardware
+from skipkv import hardware, kernels
 from skipkv.outputs import write_atomic
 
 CHILD = """
@@ -41,7 +41,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = {}
     for variant, flag in (("plain", "0"), ("replaced", "1")):
-        env = dict(os.environ, **{hardware.TRANSPOSE_ENV: flag, hardware.UPCAST_ENV: flag})
+        env = dict(os.environ, **{kernels.TRANSPOSE_ENV: flag, kernels.UPCAST_ENV: flag})
         child = subprocess.run([sys.executable, "-c", CHILD, args.model, args.dtype], env=env, capture_output=True,
                                text=True)
         if child.returncode != 0:

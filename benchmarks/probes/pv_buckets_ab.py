@@ -1,4 +1,4 @@
-"""Key buckets for the 16-bit p.V (hardware.pv_buckets) on and off: decode step time of one engine per run, each run in
+"""Key buckets for the 16-bit p.V (kernels.pv_buckets) on and off: decode step time of one engine per run, each run in
 a fresh process (oneDNN's primitive cache starts empty, as in a new server or eval), alternating the order every
 round. Grouped decode attention (SKIPKV_DECODE_SDPA=0, what a CPU without AMX picks), p.V in the model's dtype.
 
@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from skipkv.hardware import BUCKET_ENV, PV_ENV, SDPA_ENV, environment
+from skipkv.hardware import environment
+from skipkv.kernels import BUCKET_ENV, PV_ENV, SDPA_ENV
 
 
 def one_run(model: str, spec: str, batch: int, prompt_tokens: int, steps: int) -> float:

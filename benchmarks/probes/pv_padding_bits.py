@@ -1,5 +1,5 @@
-"""Whether padding the keys of a 16-bit probabilities x values product to hardware.key_bucket (zero probabilities
-past K) leaves its bits unchanged on this machine, over many more shapes than the probe `hardware.pv_buckets` runs at
+"""Whether padding the keys of a 16-bit probabilities x values product to kernels.key_bucket (zero probabilities
+past K) leaves its bits unchanged on this machine, over many more shapes than the probe `kernels.pv_buckets` runs at
 first use: batch x kv heads, query rows and key counts of decode steps (batch 1 and 64, one and eight query rows,
 keys from 1 to ~9K).
 
@@ -13,7 +13,8 @@ import json
 
 import torch
 
-from skipkv.hardware import environment, key_bucket, set_threads
+from skipkv.hardware import environment, set_threads
+from skipkv.kernels import key_bucket
 
 # (batch x kv heads, query rows per kv head, key counts)
 SHAPES = ((2, 7, list(range(1, 2200, 3)) + list(range(2200, 9000, 97))), (128, 7, list(range(1, 700, 5))),

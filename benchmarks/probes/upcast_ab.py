@@ -1,5 +1,5 @@
 """bf16 on a CPU without a bf16 matmul: torch's emulated bf16 linears vs fp32 products of upcast weights
-(hardware.upcast_linears, models/packed.py UpcastLinear), on the real model through the public `generate`.
+(kernels.upcast_linears, models/packed.py UpcastLinear), on the real model through the public `generate`.
 
     OMP_NUM_THREADS=1 python benchmarks/probes/upcast_ab.py --prompt-tokens 256 --new-tokens 16 --batches 1,8 \
         --rounds 2 --out docs/results/upcast/upcast_ab_epyc_avx2.json
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from skipkv import SamplingParams, generate, hardware, load_model, make_policy
+from skipkv import SamplingParams, generate, hardware, kernels, load_model, make_policy
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
 from skipkv.models.packed import UpcastLinear
@@ -68,15 +68,15 @@ def run(bundle, prompt_ids: list[int], batch: int, new_tokens: int) -> tuple[flo
 
 def load(name: str, model: str):
     """The model of variant `name` (VARIANTS), its linears as that variant has them."""
-    os.environ[hardware.UPCAST_ENV] = "0" if name == "emulated" else "1"
-    os.environ[hardware.TRANSPOSE_ENV] = "1" if name == "fp32-transposed" else "0"
-    os.environ[hardware.PACK_ENV] = "1" if name == "fp32-packed" else "0"
+    os.environ[kernels.UPCAST_ENV] = "0" if name == "emulated" else "1"
+    os.environ[kernels.TRANSPOSE_ENV] = "1" if name == "fp32-transposed" else "0"
+    os.environ[kernels.PACK_ENV] = "1" if name == "fp32-packed" else "0"
     try:
         bundle = load_model(model, dtype="fp32" if name.startswith("fp32") else "bf16")
     finally:
-        os.environ.pop(hardware.UPCAST_ENV, None)
-        os.environ.pop(hardware.TRANSPOSE_ENV, None)
-        os.environ.pop(hardware.PACK_ENV, None)
+        os.environ.pop(kernels.UPCAST_ENV, None)
+        os.environ.pop(kernels.TRANSPOSE_ENV, None)
+        os.environ.pop(kernels.PACK_ENV, None)
     if name == "upcast-rowmajor":
         rowmajor(bundle.model)
     return bundle
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"upcast_ab: --variants must name two different ones of {', '.join(VARIANTS)} (got {args.variants!r})",
               file=sys.stderr)
         return 2
-    if hardware.packed_linears(torch.bfloat16, "cpu")[0] and not all(v.startswith("fp32") for v in variants):
+    if kernels.packed_linears(torch.bfloat16, "cpu")[0] and not all(v.startswith("fp32") for v in variants):
         print("upcast_ab: this CPU multiplies bf16 in oneDNN (prepacked linears run, not upcast); nothing to compare",
               file=sys.stderr)
         return 1

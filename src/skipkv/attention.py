@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from skipkv.cache.store import KVStore, to_device
-from skipkv.hardware import decode_pv, decode_sdpa, key_bucket, pv_buckets
+from skipkv.kernels import decode_pv, decode_sdpa, key_bucket, pv_buckets
 
 BACKEND = "skipkv"
 
@@ -173,7 +173,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if mask is None and not ctx.accumulate and fused:
         # Every key visible to the one query of every row (batch 1, or rows of equal length), 16-bit: the very
         # call transformers' SDPA attention makes for such a step (GQA in the kernel, no mask), so it rounds as
-        # transformers does; on CUDA and on CPUs with AMX it is also the faster one (hardware.decode_sdpa: on a
+        # transformers does; on CUDA and on CPUs with AMX it is also the faster one (kernels.decode_sdpa: on a
         # CPU without AMX it is 2-10x slower and the grouped path below runs). In fp32 the grouped matmul below
         # wins from ~1K keys on (613 vs 1424 us at 4K). fp64 (the exactness tests) always takes this call.
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=H != Hq)
@@ -231,14 +231,14 @@ def _grouped_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: t
 def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 probabilities [.., M, K] x values [.., K, D] in the values' dtype. A 16-bit model's probabilities are
     rounded to its dtype and multiplied with the stored values as they are, as torch's fused CPU kernel does
-    (fp32 accumulation inside the gemm; hardware.decode_pv: `SKIPKV_DECODE_PV=fp32` converts the values instead).
+    (fp32 accumulation inside the gemm; kernels.decode_pv: `SKIPKV_DECODE_PV=fp32` converts the values instead).
     fp32 and fp64 models multiply in their own dtype, exactly as before.
 
     `room`: the store rows `value` is the first K entries of ([.., capacity, D], same storage and strides). A 16-bit
     product on a CPU then runs over key_bucket(K) keys (capped at the capacity), the probabilities past K being
     zeros: oneDNN creates a primitive for every new 16-bit matmul shape and caches it by shape, paid at every step
     (the cache grows by one entry) and, where layers keep different counts (LaProx, PyramidKV, head-split), in every
-    layer (hardware.pv_buckets: the costs, and the probe that turns it on only where the bits stay the same). The
+    layer (kernels.pv_buckets: the costs, and the probe that turns it on only where the bits stay the same). The
     zero columns add exact zeros to every sum: the store is zero-filled and holds only finite values."""
     if value.dtype in (torch.float32, torch.float64) or decode_pv()[0] == "fp32":
         return torch.matmul(probs, value.to(probs.dtype)).to(value.dtype)
@@ -259,7 +259,7 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
     with its G query heads. query [B, Hq, T, D]; key/value [B, H, T, D] are this forward's new entries only
     (SlotCache.update wrote them into the units). Returns ([B, T, Hq, D], None). The same arithmetic as the
     uniform path, one kv head at a time: fused SDPA where every key is visible and the uniform path would take it
-    (fp64, or 16-bit where hardware.decode_sdpa says it is faster), else the grouped matmuls with the unit's
+    (fp64, or 16-bit where kernels.decode_sdpa says it is faster), else the grouped matmuls with the unit's
     mask."""
     if ctx.accumulate:
         raise RuntimeError("accumulated attention (store aux 'attn') is not kept in a head-split store")

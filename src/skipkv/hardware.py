@@ -16,67 +16,8 @@ choice and the reason next to its figures:
 `SKIPKV_CPU_BF16=1|0` overrides the capability check (the test suite pins it to 1 so its dtype does not depend on
 the processor CI happens to get); the record says when it was overridden.
 
-Decode attention (`decode_sdpa`): where every key is visible to every query of a 16-bit decode step, torch's fused
-SDPA is the call transformers itself makes, and on a CPU with AMX it is also the faster one (Sapphire Rapids, one
-thread: 36 vs 83 us at 128 keys, 633 vs 936 us at 4K). On a CPU without AMX it is the slower one by far (2-core EPYC
-with AVX512-BF16, bf16, 2 threads, per layer: 0.159 vs 0.081 ms at batch 1 and 128 keys, 4.78 vs 0.49 ms at 4K
-keys, 2.20 vs 0.24 ms at batch 16), so there the engine's grouped fp32 attention runs instead. The two round
-differently, so the choice is recorded (`SKIPKV_DECODE_SDPA=1|0` overrides it).
-
-SDPA on CUDA (`cuda_sdpa_backends`): torch 2.11 on an H200 picks cuDNN's attention, which builds a cuDNN graph for
-every new shape; a decode step's key count grows by one per step, so every layer of every step rebuilt one: 2.4 ms
-of host time per call, 67 ms of a 97 ms decode step of a 7B model at batch 1, whose kernels kept the GPU busy for
-6 ms (benchmarks/gpu_profile.py; transformers' own generate pays the same). The engine's forwards therefore run
-with cuDNN excluded (flash, then memory-efficient, then math); `SKIPKV_CUDNN_SDPA=1` gives torch its own choice.
-
-Probabilities x V in the grouped path (`decode_pv`): q.k and the softmax run in fp32 (the logits of a bf16 q.k would be
-rounded to bf16); the probabilities are then rounded to the model's 16-bit dtype and multiplied with the 16-bit values
-directly, as torch's fused CPU kernel does (its p.V gemm takes the probabilities in the input dtype). That skips
-converting every cached value to fp32 in every layer and step. On a 2-core EPYC with AVX512-BF16, at batch 64 and 288
-keys (R-KV 256 under a 1 GiB cap), the product alone took 0.25 instead of 0.56 ms per layer on random contiguous tensors
-(benchmarks/probes/attention_batch64_probe.py); whole decode steps gained little (A/B step times,
-benchmarks/probes/decode_pv_ab.py: 1.040x, 0.944x, 0.977x in three runs, within the machine's noise). The default
-follows the fused kernel's numerics as much as its speed. fp32 and fp64 models are unaffected. `SKIPKV_DECODE_PV=fp32`
-keeps the older all-fp32 product (runs begun with it resume only with it: eval/rundir.py compares the kernel of 16-bit
-runs).
-
-Key buckets for the 16-bit p.V (`pv_buckets`): oneDNN creates a primitive for every new shape of a 16-bit matmul and
-caches it by shape. A decode step's p.V has a new key count at every step (the cache grows by one entry), and in every
-layer where layers keep different counts (LaProx, PyramidKV, head-split stores). On a 2-core EPYC a new shape cost ~1 ms
-at batch 1 and ~28 ms at batch 64, against 0.1 and 1 ms for a cached one (`python benchmarks/probes/bmm_shapes.py`). The
-product therefore runs over key_bucket(K) keys of the store, zero probabilities past K: the padding adds exact zeros to
-every sum, and a probe at first use checks that this machine's matmul gives the same bits with it on ~80 decode-step
-shapes; where it does not, the padding is off. On the EPYC bf16 gave the same bits on all 1,163 shapes of
-`python benchmarks/probes/pv_padding_bits.py`, fp16 not on 130 of them (a probe of 8 shapes had missed it), so the
-padding is for bf16 only (what `auto` picks), whatever a probe says. Decode step on a 2,048-token prompt, fresh
-processes, two rounds each: LaProx (10%) at batch 1 112.4 -> 76.4 ms (0.68x), full cache at batch 1 83.5 -> 72.1 ms
-(0.86x), full cache at batch 16 0.98x (`python benchmarks/probes/pv_buckets_ab.py`). `SKIPKV_DECODE_PV_BUCKETS=0|1`
-overrides the probe.
-
-Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
-weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
-(figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides. With `=1` an fp32 model on a CPU is packed
-too (opt-in: oneDNN's fp32 products agree with MKL's to rounding, not bit for bit; on an AVX2-only EPYC, two
-threads, batch-16 decode 2.07x the transposed layout's, docs/benchmarks.md).
-
-Linear weights where the CPU has no bf16 matmul (`upcast_linears`): a bf16 model there (`--dtype bf16` on purpose,
-e.g. a pinned grid resumed on such a processor; `auto` picks fp32) would have torch emulate every bf16 product. The
-linears instead multiply in fp32 with weights upcast once (models/packed.py, UpcastLinear): each product of two
-bf16 numbers is exact in fp32, sums run in fp32 and the output is rounded to bf16 once, which is what a native bf16
-kernel computes too (fp32 accumulation; only the order of the sums differs, as between any two processors'
-kernels). Activations, the KV cache and its bytes stay bf16; the weights take twice the memory. Measured on a
-2-core EPYC without AVX512 (AVX2 only) by `benchmarks/probes/upcast_ab.py` (docs/benchmarks.md): prefill 4.64x, decode
-1.17x at batch 1 and 1.99x at batch 8, greedy tokens identical. `SKIPKV_UPCAST_LINEARS=1|0` overrides.
-
-Linear weights of an fp32 model (`transposed_linears`): on an x86 CPU with AVX2 and without AVX512 (where `auto`
-picks fp32), every linear stores its weight once, transposed to (in, out), and multiplies `x @ W^T` (models/packed.py,
-TransposedLinear): MKL's sgemm is faster on that layout. A 2-core AMD EPYC without AVX512, Qwen2.5-Coder-0.5B, one
-thread, each variant in a process of its own, 4 rounds alternating (`benchmarks/probes/upcast_ab.py --variants
-fp32,fp32-transposed --fresh`, docs/benchmarks.md): prefill 1.06x, decode 1.17x at batch 1, 1.28x at 4, 1.14x at
-16, 1.12x at 48, faster in every round, greedy tokens identical. From 4 rows on the bits are those of `F.linear`;
-with 1-3 rows MKL sums in another order, as it does with either layout between 3 rows and 4
-(benchmarks/probes/layout_bits.py). Not measured on a CPU with AVX512, so off there. `SKIPKV_TRANSPOSED_LINEARS=1|0`
-overrides.
+Kernel choices (decode attention, p.V, linear layouts, the decode step) follow the processor too: they are in
+`skipkv.kernels`.
 
 Threads: torch's own default (one per available core) is what is fastest when the engine runs alone; `--threads N`
 changes it, and the record keeps what ran.
@@ -97,7 +38,6 @@ record says which ran (`allocator`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import platform
 import subprocess
@@ -109,20 +49,12 @@ from typing import Any
 
 import torch
 
+from skipkv import kernels
 from skipkv.errors import SkipKVError
 
 OVERRIDE_ENV = "SKIPKV_CPU_BF16"
-SDPA_ENV = "SKIPKV_DECODE_SDPA"
-PACK_ENV = "SKIPKV_PACKED_LINEARS"
-UPCAST_ENV = "SKIPKV_UPCAST_LINEARS"
-TRANSPOSE_ENV = "SKIPKV_TRANSPOSED_LINEARS"
-PV_ENV = "SKIPKV_DECODE_PV"
-BUCKET_ENV = "SKIPKV_DECODE_PV_BUCKETS"
 MALLOC_ENV = "SKIPKV_MALLOC"
-CUDNN_SDPA_ENV = "SKIPKV_CUDNN_SDPA"
-STEP_ENV = "SKIPKV_DECODE_STEP"
 DTYPE_HELP = "auto (default: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere), bf16, fp32, fp16"
-_PROC_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")
 
 
 @dataclass(frozen=True)
@@ -133,45 +65,17 @@ class DtypeChoice:
     reason: str
 
 
-def _torch_check(name: str) -> bool | None:
-    """One of torch's CPU capability checks (`torch.cpu._is_avx512_bf16_supported`, ...); None if this torch
-    lacks it."""
-    fn = getattr(torch.cpu, name, None)
-    if fn is None:
-        return None
-    try:
-        return bool(fn())
-    except Exception:  # a private check that fails to run is the same as one that does not exist
-        return None
-
-
-def cpu_flags() -> set[str]:
-    """The subset of /proc/cpuinfo flags that decide defaults (empty where /proc/cpuinfo does not exist)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split()) & set(_PROC_FLAGS)
-    return set()
-
-
-def _switch(name: str, value: str | None) -> str | None:
-    """An on/off override's value, "0" or "1", or None when it is unset; anything else is a one-line error."""
-    if value is not None and value not in ("0", "1"):
-        raise SkipKVError(f"{name} must be 0 or 1, got {value!r}")
-    return value
-
-
 def native_bf16() -> tuple[bool, str]:
     """Whether this CPU multiplies bf16 natively, and the evidence (torch's checks first, /proc/cpuinfo otherwise)."""
-    forced = _switch(OVERRIDE_ENV, os.environ.get(OVERRIDE_ENV))
+    forced = kernels._switch(OVERRIDE_ENV, os.environ.get(OVERRIDE_ENV))
     if forced is not None:
         return forced == "1", f"{OVERRIDE_ENV}={forced} (overridden)"
-    avx512_bf16, amx = _torch_check("_is_avx512_bf16_supported"), _torch_check("_is_amx_tile_supported")
+    avx512_bf16, amx = kernels._torch_check("_is_avx512_bf16_supported"), kernels._torch_check("_is_amx_tile_supported")
     if avx512_bf16 is not None or amx is not None:
         found = [n for n, ok in (("AVX512-BF16", avx512_bf16), ("AMX", amx)) if ok]
         return bool(found), (f"torch reports {' and '.join(found)}" if found
                              else "torch reports neither AVX512-BF16 nor AMX")
-    flags = cpu_flags()
+    flags = kernels.cpu_flags()
     found = sorted(flags & {"avx512_bf16", "amx_bf16"})
     return bool(found), (f"/proc/cpuinfo lists {', '.join(found)}" if found
                          else "/proc/cpuinfo lists neither avx512_bf16 nor amx_bf16")
@@ -185,210 +89,6 @@ def choose_dtype(device: str | torch.device | None = "cpu") -> DtypeChoice:
     if ok:
         return DtypeChoice("bf16", f"CPU with native bf16 matmul ({why})")
     return DtypeChoice("fp32", f"CPU without native bf16 matmul ({why}); torch would emulate bf16")
-
-
-def has_amx() -> tuple[bool, str]:
-    """Whether this CPU has AMX tiles, and the evidence (torch's check first, /proc/cpuinfo otherwise)."""
-    amx = _torch_check("_is_amx_tile_supported")
-    if amx is not None:
-        return amx, f"torch reports {'' if amx else 'no '}AMX"
-    ok = "amx_tile" in cpu_flags()
-    return ok, f"/proc/cpuinfo {'lists' if ok else 'does not list'} amx_tile"
-
-
-@functools.lru_cache(maxsize=8)
-def _decode_sdpa(device_type: str, forced: str | None) -> tuple[bool, str]:
-    if _switch(SDPA_ENV, forced) is not None:
-        return forced == "1", f"{SDPA_ENV}={forced} (overridden)"
-    if device_type != "cpu":
-        return True, f"{device_type} device"
-    ok, why = has_amx()
-    return ok, f"CPU {'with' if ok else 'without'} AMX ({why}): {'fused SDPA' if ok else 'grouped fp32'} is faster"
-
-
-@functools.lru_cache(maxsize=4)
-def _cuda_sdpa_backends(forced: str | None) -> tuple[tuple, str]:
-    from torch.nn.attention import SDPBackend
-
-    if _switch(CUDNN_SDPA_ENV, forced) == "1":
-        return (), f"{CUDNN_SDPA_ENV}=1: torch's own choice, cuDNN included"
-    return ((SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
-            "cuDNN excluded: it builds a new graph for every new key count (~2.4 ms of host time per call on an H200, "
-            "67 of a 97 ms 7B decode step)")
-
-
-def cuda_sdpa_backends() -> tuple[tuple, str]:
-    """The SDPA backends the engine's forwards may use on CUDA (() = torch's own choice), and why (module
-    docstring). Cached: read once per forward."""
-    return _cuda_sdpa_backends(os.environ.get(CUDNN_SDPA_ENV))
-
-
-def sdpa_context(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """The context a forward on `device` runs in: on CUDA, SDPA limited to `cuda_sdpa_backends`; else nothing."""
-    backends = cuda_sdpa_backends()[0] if torch.device(device).type == "cuda" else ()
-    if not backends:
-        return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
-
-    return sdpa_kernel(list(backends))
-
-
-def decode_sdpa(device: torch.device | str = "cpu") -> tuple[bool, str]:
-    """Whether a 16-bit decode step whose queries see every key runs torch's fused SDPA (True) or the engine's
-    grouped fp32 attention (False) on this machine, and why (module docstring). Cached: called per layer."""
-    return _decode_sdpa(torch.device(device).type, os.environ.get(SDPA_ENV))
-
-
-@functools.lru_cache(maxsize=8)
-def _decode_pv(forced: str | None) -> tuple[str, str]:
-    if forced is None:
-        return "model", "probabilities rounded to the model's dtype for p.V, as torch's fused CPU kernel does"
-    if forced not in ("fp32", "model"):
-        raise SkipKVError(f"{PV_ENV} must be fp32 or model, got {forced!r}")
-    return forced, f"{PV_ENV}={forced} (overridden)"
-
-
-def decode_pv() -> tuple[str, str]:
-    """The dtype of the grouped attention's probabilities x V product for a 16-bit model: "model" (the default:
-    probabilities rounded to the model's dtype) or "fp32" (values converted to fp32), and why (module docstring).
-    Cached: called per layer."""
-    return _decode_pv(os.environ.get(PV_ENV))
-
-
-def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[str, str]:
-    """How decode steps over a uniform store run (engine/step.py): "compiled" (the fixed-shape step through
-    torch.compile), "eager" (the fixed-shape step, uncompiled) or "hf" (the HF modules with the skipkv attention
-    backend), and why. `SKIPKV_DECODE_STEP=compiled|eager|hf` overrides."""
-    forced = os.environ.get(STEP_ENV)
-    if forced is not None:
-        if forced not in ("compiled", "eager", "hf"):
-            raise SkipKVError(f"{STEP_ENV} must be compiled, eager or hf, got {forced!r}")
-        return forced, f"{STEP_ENV}={forced} (overridden)"
-    device = torch.device(device)
-    if device.type != "cpu" or dtype == torch.float64 or decode_sdpa(device)[0]:
-        # There the HF step calls torch's fused SDPA where every key is visible; the fixed step's grouped product
-        # would round otherwise (and fp64 is the exactness tests' reference).
-        return "hf", "the HF modules' step: fused SDPA decode attention here, or fp64"
-    # On a CPU whose decode attention is the grouped one, the fixed-shape step runs the same products and gives the
-    # same bits (tests/test_fixed_step.py; bf16 checked too), 3-6% faster at batch 1 and 16 (docs/benchmarks.md).
-    # Compiled it gained at most the noise there, after 10-20 s of compiling per process: opt-in.
-    return "eager", "CPU with grouped decode attention: the fixed-shape step, the same bits, faster"
-
-
-def key_bucket(keys: int) -> int:
-    """`keys` rounded up to its bucket: a multiple of 64 up to 1,024 keys, then of 1/16 of the power of two at or
-    above it (at most 1/8 more keys), so that a cache growing by one entry per step, or layers and heads that keep
-    different counts, reuse a few product shapes instead of making a new one at every call (`pv_buckets`)."""
-    step = max(64, 1 << max(0, (keys - 1).bit_length() - 4))
-    return -(-keys // step) * step
-
-
-# (batch x kv heads, query rows per kv head, keys): decode-step shapes, ~80 of them (~0.2 s once per process)
-_PROBE_SHAPES = tuple((2, 7, k) for k in range(1, 1200, 17)) + (
-    (2, 7, 1500), (2, 7, 2100), (2, 7, 3000), (2, 7, 4500), (2, 56, 999), (64, 7, 257), (64, 7, 300), (16, 1, 700))
-
-
-def _padding_is_exact(dtype: torch.dtype) -> bool:
-    """Whether a `dtype` batched matmul of probabilities x values gives the same bits when the keys are padded to
-    key_bucket with zero probabilities, on ~80 CPU shapes of the decode step's kind (0.1-0.3 s, once per process)."""
-    gen = torch.Generator().manual_seed(0)
-    for bh, m, k in _PROBE_SHAPES:
-        padded = key_bucket(k)
-        values = torch.randn(bh, padded, 64, generator=gen).to(dtype)
-        probs = torch.softmax(torch.randn(bh, m, k, generator=gen) * 3, dim=-1).to(dtype)
-        wide = probs.new_zeros(bh, m, padded)
-        wide[..., :k] = probs
-        if not torch.equal(torch.bmm(probs, values[:, :k]), torch.bmm(wide, values)):
-            return False
-    return True
-
-
-@functools.lru_cache(maxsize=8)
-def _pv_buckets(dtype: torch.dtype, forced: str | None) -> tuple[bool, str]:
-    if _switch(BUCKET_ENV, forced) is not None:
-        return forced == "1", f"{BUCKET_ENV}={forced} (overridden)"
-    if dtype != torch.bfloat16:
-        return False, f"{str(dtype).removeprefix('torch.')}: key buckets are used for bf16 only"
-    if _padding_is_exact(dtype):
-        return True, "padded keys gave identical bits in a probe of this machine's matmul"
-    return False, "padded keys changed the bits in a probe of this machine's matmul"
-
-
-def pv_buckets(dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the grouped attention's 16-bit p.V on a CPU runs over key_bucket(K) keys (zero probabilities past K)
-    instead of K, and why (module docstring): on by a probe that the padding leaves the bits unchanged on this
-    machine. Never on another device (attention._probs_times_values). Cached: called per layer."""
-    return _pv_buckets(dtype, os.environ.get(BUCKET_ENV))
-
-
-def attention_kernel(record: dict[str, Any] | None) -> tuple[str, str]:
-    """(kernel, p.V dtype) from an environment record's `decode_attention_cpu`; records written before `pv` existed
-    ran p.V in fp32 ("grouped_fp32")."""
-    record = record or {}
-    kernel = record.get("kernel", "<absent>")
-    return ("grouped" if kernel == "grouped_fp32" else kernel), record.get("pv", "fp32")
-
-
-def linear_kernel(environment: dict[str, Any] | None) -> str | None:
-    """What a bf16 CPU model's linears ran on, from an environment record (environment()): "packed" (oneDNN's
-    bf16 kernel on prepacked weights), "upcast" (fp32 products of upcast weights) or "torch" (torch's own bf16
-    linear); None for a record written before the upcast path existed (not comparable)."""
-    environment = environment or {}
-    packed, upcast = environment.get("packed_linears_cpu_bf16"), environment.get("upcast_linears_cpu_bf16")
-    if packed is None or upcast is None:
-        return None
-    return "packed" if packed.get("packed") else "upcast" if upcast.get("upcast") else "torch"
-
-
-def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
-    """Whether a model in `dtype` on `device` runs its linears with oneDNN-prepacked weights, and why."""
-    forced = _switch(PACK_ENV, os.environ.get(PACK_ENV))
-    if forced is not None:
-        if forced == "0" or torch.device(device).type != "cpu":
-            return False, f"{PACK_ENV}={forced} (overridden)" + ("" if forced == "0" else ", but not on a CPU")
-    if torch.device(device).type != "cpu":
-        return False, f"{torch.device(device).type} device"
-    if dtype == torch.float32 and forced == "1" and torch.backends.mkldnn.is_available():
-        return True, f"CPU, fp32, oneDNN ({PACK_ENV}=1)"
-    if dtype != torch.bfloat16:
-        return False, f"{str(dtype).removeprefix('torch.')}: packing is used for bf16 only"
-    ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if not ok:
-        return False, "oneDNN without bf16 support on this CPU"
-    return True, "CPU, bf16, oneDNN with bf16" + (f" ({PACK_ENV}=1)" if forced else "")
-
-
-def upcast_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
-    """Whether a model in `dtype` on `device` runs its linears in fp32 on weights upcast once (models/packed.py,
-    UpcastLinear), and why: bf16 on a CPU whose oneDNN has no bf16 matmul, where torch would emulate it."""
-    forced = _switch(UPCAST_ENV, os.environ.get(UPCAST_ENV))
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
-        kind = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}"
-        return False, f"{kind}: upcasting is for bf16 on a CPU"
-    if forced is not None:
-        return forced == "1", f"{UPCAST_ENV}={forced} (overridden)"
-    if packed_linears(dtype, device)[0]:
-        return False, "oneDNN multiplies bf16 on this CPU (prepacked instead)"
-    if torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return False, "oneDNN multiplies bf16 on this CPU"
-    return True, "CPU without a bf16 matmul in oneDNN: fp32 products of the upcast weights, rounded to bf16"
-
-
-def transposed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[bool, str]:
-    """Whether an fp32 model on a CPU stores its linear weights transposed, (in, out), and multiplies `x @ W^T`
-    (models/packed.py, TransposedLinear), and why (module docstring): on an x86 CPU with AVX2 and without AVX512,
-    where MKL's sgemm was measured faster on that layout; not measured on a CPU with AVX512, so off there."""
-    forced = _switch(TRANSPOSE_ENV, os.environ.get(TRANSPOSE_ENV))
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        kind = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}"
-        return False, f"{kind}: the transposed layout is for fp32 on a CPU"
-    if forced is not None:
-        return forced == "1", f"{TRANSPOSE_ENV}={forced} (overridden)"
-    flags = cpu_flags()
-    if "avx2" in flags and "avx512f" not in flags:
-        return True, "x86 CPU with AVX2, without AVX512: MKL's sgemm is faster on (in, out) weights"
-    return False, ("CPU with AVX512: the transposed layout was measured on AVX2-only CPUs only" if "avx512f" in flags
-                   else "not an AVX2 CPU: the transposed layout was measured on AVX2-only x86 CPUs only")
 
 
 # glibc's mallopt parameters (malloc.h)
@@ -491,7 +191,7 @@ def machine() -> dict[str, Any]:
     ok, why = native_bf16()
     info: dict[str, Any] = {
         "host": platform.node(), "platform": platform.platform(), "cpu": processor(),
-        "cpu_flags": sorted(cpu_flags()), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": sorted(kernels.cpu_flags()), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": ok, "native_bf16_evidence": why,
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -533,34 +233,12 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if dtype_choice is not None:
         env["dtype_choice"] = asdict(dtype_choice)
-    sdpa, why = decode_sdpa("cpu")
-    pv, pv_why = decode_pv()
-    buckets, buckets_why = pv_buckets(torch.bfloat16)
-    env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped", "reason": why,
-                                   "pv": pv, "pv_reason": pv_why,
-                                   "pv_key_buckets_bf16": buckets, "pv_key_buckets_reason": buckets_why}
-    packed, why = packed_linears(torch.bfloat16, "cpu")
-    env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
-    upcast, why = upcast_linears(torch.bfloat16, "cpu")
-    env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
-    transposed, why = transposed_linears(torch.float32, "cpu")
-    env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
-    step, why = decode_step(torch.bfloat16, "cpu")
-    env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
+    env.update(kernels.record())
     env["allocator"] = dict(_allocator)
-    if torch.cuda.is_available():
-        backends, why = cuda_sdpa_backends()
-        env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}
     return env
 
 
 if __name__ == "__main__":
     import json
 
-    print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")),
-                      "decode_sdpa_cpu": decode_sdpa("cpu"), "decode_pv": decode_pv(),
-                      "decode_pv_key_buckets_bf16": pv_buckets(torch.bfloat16),
-                      "packed_linears_cpu_bf16": packed_linears(torch.bfloat16, "cpu"),
-                      "upcast_linears_cpu_bf16": upcast_linears(torch.bfloat16, "cpu"),
-                      "transposed_linears_cpu_fp32": transposed_linears(torch.float32, "cpu"),
-                      "decode_step_cpu_bf16": decode_step(torch.bfloat16, "cpu")}, indent=2))
+    print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")), **kernels.record()}, indent=2))

@@ -16,7 +16,7 @@ softmax in fp32, p.V through `attention._probs_times_values`; compiled, one matm
 linears are the model's own modules (packed, transposed or dense). A layer's extent is its longest row's entries plus
 the new one, as in the HF step, so on a CPU whose decode attention is the grouped one the two give the same bits
 (tests/test_fixed_step.py checks tokens and every cache entry after every step). With `bucket_keys` the extent is
-rounded up to `hardware.key_bucket` (a few shapes, for a captured graph); a batched fp32 softmax over another
+rounded up to `kernels.key_bucket` (a few shapes, for a captured graph); a batched fp32 softmax over another
 extent sums in another order (~1e-8).
 
 Where it applies (`FixedStep.supports`): a uniform store (not head-split: a head-split store's kv heads hold
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from skipkv import attention
-from skipkv.hardware import key_bucket
+from skipkv.cache.store import to_device
+from skipkv.kernels import key_bucket
 
 
 def _rms(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -56,8 +57,8 @@ class FixedStep:
     def __init__(self, model: Any, pv_in_model_dtype: bool, compile: bool = False,
                  bucket_keys: bool = False) -> None:
         """`pv_in_model_dtype`: p.V takes the probabilities rounded to the model's 16-bit dtype
-        (hardware.decode_pv "model"), else in fp32. `compile`: run through torch.compile(fullgraph=True).
-        `bucket_keys`: attend over `hardware.key_bucket` of the longest row's keys (a few extents, for a captured
+        (kernels.decode_pv "model"), else in fp32. `compile`: run through torch.compile(fullgraph=True).
+        `bucket_keys`: attend over `kernels.key_bucket` of the longest row's keys (a few extents, for a captured
         graph) instead of exactly its keys (the same extent as the HF step, hence its bits on a CPU)."""
         self.model: Any = model  # a transformers causal LM of a supported family
         cfg = model.config
@@ -98,7 +99,7 @@ class FixedStep:
             raise RuntimeError(f"KV slot overflow: need {max(extents)} entries, capacity {store.capacities[0]}")
         if self.bucket_keys:
             extents = [min(store.capacities[0], key_bucket(e)) for e in extents]
-        lengths = host.to(tokens.device)
+        lengths = to_device(host, tokens.device)  # no host sync on CUDA (pinned); on a CPU the same tensor
         q_ring = q_pos = None
         if queries is not None:
             q_ring, q_pos = queries.q, queries.qpos

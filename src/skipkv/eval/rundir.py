@@ -139,11 +139,11 @@ def _unrecorded_defaults_dropped(old: Any, new: Any) -> Any:
 
 
 def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-    """A 16-bit CPU run resumes only on the decode attention it began with (hardware.decode_sdpa, decode_pv), and a
-    bf16 one only on the same linears (hardware.linear_kernel): the kernels round differently, so a change of
+    """A 16-bit CPU run resumes only on the decode attention it began with (kernels.decode_sdpa, decode_pv), and a
+    bf16 one only on the same linears (kernels.linear_kernel): the kernels round differently, so a change of
     processor or default mid-run would mix two computations in one cell. Runs whose record predates a kernel's
     entry are not checked for it."""
-    from skipkv.hardware import PACK_ENV, PV_ENV, SDPA_ENV, UPCAST_ENV, attention_kernel, linear_kernel
+    from skipkv.kernels import PACK_ENV, PV_ENV, SDPA_ENV, UPCAST_ENV, attention_kernel, linear_kernel
 
     if config.get("dtype") not in ("bf16", "fp16") or not str(config.get("device", "cpu")).startswith("cpu"):
         return

@@ -18,14 +18,8 @@ from urllib.parse import urlsplit
 import torch
 
 from skipkv.errors import SkipKVError
-from skipkv.hardware import (
-    DtypeChoice,
-    packed_linears,
-    resolve_auto,
-    transposed_linears,
-    tune_allocator,
-    upcast_linears,
-)
+from skipkv.hardware import DtypeChoice, resolve_auto, tune_allocator
+from skipkv.kernels import packed_linears, transposed_linears, upcast_linears
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -44,7 +38,7 @@ class ModelBundle:
     family: str
     dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
     # how the linears multiply (models/packed.py: prepacked, upcast to fp32, transposed, or plain) and why
-    # (hardware.packed_linears, hardware.upcast_linears, hardware.transposed_linears)
+    # (kernels.packed_linears, kernels.upcast_linears, kernels.transposed_linears)
     packed_linears: str = ""
 
     @property
@@ -237,8 +231,8 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 
 
 def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeChoice | None) -> ModelBundle:
-    """The bundle, with the linears prepacked, upcast or transposed where that is faster (hardware.packed_linears,
-    hardware.upcast_linears, hardware.transposed_linears)."""
+    """The bundle, with the linears prepacked, upcast or transposed where that is faster (kernels.packed_linears,
+    kernels.upcast_linears, kernels.transposed_linears)."""
     from skipkv.models import packed
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype

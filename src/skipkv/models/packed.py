@@ -1,6 +1,6 @@
 """Linear layers with their weights prepacked once for oneDNN (CPU, bf16), instead of at every call; or, on a CPU
 whose oneDNN has no bf16 matmul, multiplied in fp32 on weights upcast once (UpcastLinear); or, for an fp32 model on
-a CPU where MKL's sgemm is faster that way, stored transposed (TransposedLinear, hardware.transposed_linears).
+a CPU where MKL's sgemm is faster that way, stored transposed (TransposedLinear, kernels.transposed_linears).
 
     python -c "from skipkv.models import load_model; print(load_model('random:qwen2', dtype='bf16').packed_linears)"
 
@@ -10,7 +10,7 @@ the packed copy. The kernel is the same, so the outputs are bit-identical (tests
 the time: on a 2-core EPYC (AVX512-BF16, no AMX), Qwen2.5-0.5B, full cache, 16 GSM8K prompts x 128 tokens,
 2 threads, the median gap between tokens fell from 187 to 132 ms and the first token came at 6.2 instead of
 7.5 s (`SKIPKV_PACKED_LINEARS=1|0 python benchmarks/vllm_anchor/skipkv_run.py`, docs/benchmarks.md). Whether it
-runs is decided by `hardware.packed_linears` (CPU, bf16, oneDNN with bf16 support; `SKIPKV_PACKED_LINEARS=1|0`
+runs is decided by `kernels.packed_linears` (CPU, bf16, oneDNN with bf16 support; `SKIPKV_PACKED_LINEARS=1|0`
 overrides). With `SKIPKV_PACKED_LINEARS=1` an fp32 model is packed the same way (opt-in; oneDNN's fp32 kernel
 sums in another order than MKL's, so its outputs agree to rounding, not bit for bit; docs/benchmarks.md has the
 figures).
@@ -77,7 +77,7 @@ class TransposedLinear(torch.nn.Module):
     Below 4 rows MKL takes a gemv path whose order of sums depends on the layout, so those bits differ from
     `F.linear`'s, as they already differ between 3 rows and 4 with either layout.
 
-    This class is the fp32 model's linear (hardware.transposed_linears): there the transposed copy is the only
+    This class is the fp32 model's linear (kernels.transposed_linears): there the transposed copy is the only
     one, and where `keep_dense` (see KEEP_DENSE) `weight` is its (out, in) view, which reads as the nn.Linear
     weight does without a second copy. UpcastLinear is the same product for a 16-bit model."""
 
@@ -106,7 +106,7 @@ class UpcastLinear(TransposedLinear):
     """`torch.nn.Linear` in a 16-bit dtype computed as fp32 products of fp32 copies of its weight and bias, the
     output rounded to the input's dtype once: `linear(x.float(), W.float(), b.float()).to(x.dtype)`. Every product
     of two bf16 numbers is exact in fp32, so this is a native bf16 kernel's arithmetic (fp32 accumulation) with
-    its own order of sums; on a CPU that has no such kernel it replaces torch's emulation (hardware.upcast_linears).
+    its own order of sums; on a CPU that has no such kernel it replaces torch's emulation (kernels.upcast_linears).
     `weight` (the 16-bit one) stays only where `keep_dense` (see KEEP_DENSE).
 
     The fp32 copy is stored transposed, (in, out) contiguous, as TransposedLinear's: on the AVX2-only AMD EPYC
