@@ -307,6 +307,11 @@ def test_a_bf16_run_resumes_only_on_the_linears_it_began_with(tmp_path: Path, mo
     monkeypatch.setenv(kernels.UPCAST_ENV, "1")
     run_eval(small(fp32, limit=2))
     assert len(records(fp32)) == 2
+    monkeypatch.setenv(kernels.PACK_ENV, "1")  # but they do on whether their own linears are packed
+    with pytest.raises(SkipKVError, match="was run with unpacked fp32 linears, this run would use packed ones; "
+                                          "resume it with SKIPKV_PACKED_LINEARS=0"):
+        run_eval(small(fp32, limit=3))
+    assert len(records(fp32)) == 2
 
 
 def test_unpad_prefill_is_in_a_16bit_runs_identity_when_on(tmp_path: Path) -> None:

@@ -86,6 +86,21 @@ def test_fixed_step_equals_the_hf_step_fp32_bits(monkeypatch, pair32, name):
         a.close(), b.close()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("name", ["full", "rkv", "h2o"])
+def test_fixed_step_equals_the_hf_step_packed_fused_fp32_bits(monkeypatch, name):
+    """Packed fp32 linears with fused q/k/v and gate/up (models/packed.py): the fixed step calls the fused
+    products, the HF step their parts; the same bits."""
+    monkeypatch.setenv("SKIPKV_PACKED_LINEARS", "1")
+    pair = [load_model("random:qwen2", dtype="fp32") for _ in range(2)]
+    assert all(hasattr(b.model.model.layers[0].self_attn, "qkv_proj") for b in pair)
+    a, b = engines(monkeypatch, pair, make_policy(name, **POLICIES[name]), EngineConfig(batch_size=3))
+    try:
+        lockstep(a, b, PROMPTS + PROMPTS[:2], [14, 6, 11, 4, 8, 16], atol=0)
+    finally:
+        a.close(), b.close()
+
+
 def test_fixed_step_equals_the_hf_step_fp64(monkeypatch, pair64):
     a, b = engines(monkeypatch, pair64, make_policy("rkv", **POLICIES["rkv"]), EngineConfig(batch_size=4))
     try:

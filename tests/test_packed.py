@@ -9,7 +9,15 @@ import torch
 from skipkv import SamplingParams, generate, hardware, kernels, make_policy
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
-from skipkv.models.packed import PackedLinear, TransposedLinear, UpcastLinear, transpose_linears
+from skipkv.models.packed import (
+    FusedLinear,
+    LinearPart,
+    PackedLinear,
+    TransposedLinear,
+    UpcastLinear,
+    fuse_projections,
+    transpose_linears,
+)
 from skipkv.models.random import _TINY
 
 SUPPORTED = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -34,7 +42,8 @@ def test_bf16_models_pack_and_generate_the_same_tokens(monkeypatch):
     packed = load_model("random:qwen2", dtype="bf16")
     assert "prepacked" in packed.packed_linears
     layer = packed.model.model.layers[0]
-    assert isinstance(layer.mlp.gate_proj, PackedLinear) and isinstance(layer.self_attn.o_proj, PackedLinear)
+    assert isinstance(layer.mlp.gate_up_proj, FusedLinear) and isinstance(layer.mlp.gate_proj, LinearPart)
+    assert isinstance(layer.self_attn.o_proj, PackedLinear)
     assert layer.self_attn.o_proj.weight.dtype == torch.bfloat16  # LaProx reads it
     monkeypatch.setenv(kernels.PACK_ENV, "0")
     dense = load_model("random:qwen2", dtype="bf16")
@@ -49,6 +58,7 @@ def test_bf16_models_pack_and_generate_the_same_tokens(monkeypatch):
 
 def test_only_bf16_on_a_cpu_packs(monkeypatch):
     monkeypatch.delenv(kernels.PACK_ENV, raising=False)
+    monkeypatch.setenv(kernels.TRANSPOSE_ENV, "1")  # an explicit transposed layout is kept (the suite's pin)
     assert kernels.packed_linears(torch.float32, "cpu")[0] is False
     assert kernels.packed_linears(torch.float64, "cpu")[0] is False
     assert kernels.packed_linears(torch.bfloat16, "cuda")[0] is False
@@ -60,10 +70,90 @@ def test_only_bf16_on_a_cpu_packs(monkeypatch):
         kernels.packed_linears(torch.bfloat16, "cpu")
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
-def test_fp32_packs_only_when_asked_and_computes_the_same_linear(monkeypatch):
-    """fp32 prepacking is opt-in (SKIPKV_PACKED_LINEARS=1): oneDNN's fp32 kernel sums in another order than
-    MKL's, so its products agree to fp32 rounding, not bit for bit."""
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+@needs_onednn
+@pytest.mark.parametrize(("flags", "threads", "transpose_env", "packs"), [
+    ({"avx2"}, 2, None, True),  # the AVX2-only EPYC: measured faster with two threads
+    ({"avx2"}, 4, None, True),
+    ({"avx2"}, 1, None, False),  # one thread: lost at batch 1
+    ({"avx2", "avx512f"}, 2, None, False),  # not measured with AVX512
+    (set(), 2, None, False),
+    ({"avx2"}, 2, "1", False),  # an explicit transposed layout wins over the default
+    ({"avx2"}, 2, "0", True),
+])
+def test_fp32_packs_by_processor_and_threads(monkeypatch, flags, threads, transpose_env, packs):
+    monkeypatch.delenv(kernels.PACK_ENV, raising=False)
+    if transpose_env is None:
+        monkeypatch.delenv(kernels.TRANSPOSE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernels.TRANSPOSE_ENV, transpose_env)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    got, why = kernels.packed_linears(torch.float32, "cpu")
+    assert got is packs, why
+    assert kernels.packed_linears(torch.float64, "cpu")[0] is False
+    assert kernels.packed_linears(torch.float32, "cuda")[0] is False
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
+    assert kernels.packed_linears(torch.float32, "cpu")[0] is False
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [(True, True, True), (False, False, False), (True, False, True)])
+@pytest.mark.parametrize("lead", [(1,), (3, 1), (16,), (2, 7), (300,)])
+def test_fused_linear_is_the_separate_products(bias, lead):
+    """A FusedLinear's parts give each linear's own packed product, a missing bias as zero: bit for bit without a
+    bias (oneDNN sums each output column alone), to the last bit with one (where the bias enters the sum can
+    follow the output width); the shared product serves only the input it was computed for."""
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(96, n, bias=b) for n, b in zip((64, 32, 32), bias)]
+    fused = FusedLinear(lins)
+    parts = [LinearPart(fused, i) for i in range(3)]
+    x, other = torch.randn(*lead, 96), torch.randn(*lead, 96)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if not any(bias):
+            return torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        return True
+
+    for lin, part in zip(lins, parts):
+        assert same(part(x), PackedLinear(lin, keep_dense=False)(x))
+    assert same(fused(x), torch.cat([PackedLinear(lin, keep_dense=False)(x) for lin in lins], dim=-1))
+    # part 0 of x, then part 1 of another input: never x's product
+    parts[0](x)
+    assert same(parts[1](other), PackedLinear(lins[1], keep_dense=False)(other))
+    assert [n for n, _ in fused.named_parameters()] == [] and len(list(parts[0].children())) == 0
+
+
+@needs_onednn
+def test_fused_projections_replace_the_layers_linears_and_keep_the_logits(monkeypatch):
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
+    dense = load_model("random:qwen2", dtype="fp32")
+    unfused = load_model("random:qwen2", dtype="fp32")
+    for m in (unfused.model,):
+        for parent_name, name in [(p, n) for p, mod in m.named_modules() for n, c in mod.named_children()
+                                  if type(c) is torch.nn.Linear]:
+            parent = m.get_submodule(parent_name)
+            setattr(parent, name, PackedLinear(getattr(parent, name), keep_dense=True))
+    monkeypatch.setenv(kernels.PACK_ENV, "1")
+    packed = load_model("random:qwen2", dtype="fp32")
+    layers = packed.model.model.layers
+    assert "fused" in packed.packed_linears and fuse_projections(packed.model) == 0  # nothing left to fuse
+    assert all(isinstance(layer.self_attn.qkv_proj, FusedLinear) and isinstance(layer.mlp.gate_up_proj, FusedLinear)
+               for layer in layers)
+    assert layers[0].self_attn.qkv_proj.splits == [64, 32, 32]
+    ids = torch.tensor([[3, 17, 99, 5, 42, 7], [8, 1, 2, 9, 4, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed.model(ids).logits, unfused.model(ids).logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(packed.model(ids).logits, dense.model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_fp32_packs_when_asked_and_computes_the_same_linear(monkeypatch):
+    """SKIPKV_PACKED_LINEARS=1 packs fp32 on any CPU: oneDNN's fp32 kernel sums in another order than MKL's, so
+    its products agree to fp32 rounding, not bit for bit."""
     monkeypatch.setenv(kernels.PACK_ENV, "1")
     assert kernels.packed_linears(torch.float32, "cpu") == (True, "CPU, fp32, oneDNN (SKIPKV_PACKED_LINEARS=1)")
     assert kernels.packed_linears(torch.float64, "cpu")[0] is False
@@ -170,6 +260,7 @@ def test_transposed_linear_is_the_fp32_linear_with_one_copy(bias, lead):
 
 
 def test_fp32_models_transpose_on_request_and_compute_the_same_function(monkeypatch):
+    monkeypatch.setenv(kernels.PACK_ENV, "0")
     monkeypatch.setenv(kernels.TRANSPOSE_ENV, "0")
     plain = load_model("random:qwen2:sharp", dtype="fp32")
     assert isinstance(plain.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
@@ -213,6 +304,8 @@ def test_a_tied_output_layer_keeps_one_transposed_copy():
 def test_only_fp32_on_an_avx2_cpu_without_avx512_transposes(monkeypatch):
     monkeypatch.delenv(kernels.TRANSPOSE_ENV, raising=False)
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2"})
+    # one thread: with two or more, fp32 is packed there instead (test_fp32_packs_by_processor_and_threads)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert kernels.transposed_linears(torch.float32, "cpu")[0] is True
     assert kernels.transposed_linears(torch.float64, "cpu")[0] is False
     assert kernels.transposed_linears(torch.bfloat16, "cpu")[0] is False

@@ -43,9 +43,13 @@ overrides the probe.
 
 Linear weights (`packed_linears`): on a CPU in bf16, where oneDNN supports bf16, the model's linears multiply with
 weights packed once (models/packed.py) instead of re-laid out at every call: bit-identical outputs, faster
-(figures in models/packed.py). `SKIPKV_PACKED_LINEARS=1|0` overrides. With `=1` an fp32 model on a CPU is packed
-too (opt-in: oneDNN's fp32 products agree with MKL's to rounding, not bit for bit; on an AVX2-only EPYC, two
-threads, batch-16 decode 2.07x the transposed layout's, docs/benchmarks.md).
+(figures in models/packed.py). An fp32 model is packed too on an x86 CPU with AVX2 and without AVX512 when torch
+runs at least two threads: there oneDNN's fp32 kernel on packed weights beat MKL's sgemm on the transposed layout at
+every batch measured (2-core AMD EPYC, two threads: prefill 1.27x, decode 1.07x at batch 1, 2.07x at 16, 1.48x at
+48; docs/benchmarks.md), and it is the kernel vLLM's CPU engine runs its fp32 linears on. With one thread it lost
+at batch 1 (0.68x), so a one-thread run keeps the transposed layout. Its products agree with MKL's to fp32 rounding,
+not bit for bit. An explicit `SKIPKV_TRANSPOSED_LINEARS=1` keeps the transposed layout (the test suite pins it so);
+`SKIPKV_PACKED_LINEARS=1|0` overrides both (`=1` packs fp32 on any CPU with oneDNN).
 
 Linear weights where the CPU has no bf16 matmul (`upcast_linears`): a bf16 model there (`--dtype bf16` on purpose,
 e.g. a pinned grid resumed on such a processor; `auto` picks fp32) would have torch emulate every bf16 product. The
@@ -281,8 +285,18 @@ def packed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -> tu
             return False, f"{PACK_ENV}={forced} (overridden)" + ("" if forced == "0" else ", but not on a CPU")
     if torch.device(device).type != "cpu":
         return False, f"{torch.device(device).type} device"
-    if dtype == torch.float32 and forced == "1" and torch.backends.mkldnn.is_available():
-        return True, f"CPU, fp32, oneDNN ({PACK_ENV}=1)"
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if forced == "1":
+            return True, f"CPU, fp32, oneDNN ({PACK_ENV}=1)"
+        if _switch(TRANSPOSE_ENV, os.environ.get(TRANSPOSE_ENV)) == "1":
+            return False, f"fp32: {TRANSPOSE_ENV}=1 keeps the transposed layout"
+        flags, threads = cpu_flags(), torch.get_num_threads()
+        if "avx2" in flags and "avx512f" not in flags and threads >= 2:
+            return True, (f"x86 CPU with AVX2, without AVX512, {threads} threads: oneDNN's fp32 product on packed "
+                          "weights is faster than MKL's (module docstring)")
+        isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        return False, (f"fp32: packed only on AVX2-only x86 CPUs with two or more threads (here {isa}, "
+                       f"{threads} thread{'s' * (threads != 1)})")
     if dtype != torch.bfloat16:
         return False, f"{str(dtype).removeprefix('torch.')}: packing is used for bf16 only"
     ok = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -340,6 +354,8 @@ def record() -> dict[str, Any]:
     env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
     transposed, why = transposed_linears(torch.float32, "cpu")
     env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
+    packed, why = packed_linears(torch.float32, "cpu")
+    env["packed_linears_cpu_fp32"] = {"packed": packed, "reason": why}
     step, why = decode_step(torch.bfloat16, "cpu")
     env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
     if torch.cuda.is_available():

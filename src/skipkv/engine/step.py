@@ -13,7 +13,8 @@ outside, between steps, and rewrite the same store tensors in place; nothing her
 
 The arithmetic is the HF module's, op for op (RMSNorm in fp32, rotary as `apply_rotary_pos_emb`, q.k and the
 softmax in fp32, p.V through `attention._probs_times_values`; compiled, one matmul in the same dtypes), and the
-linears are the model's own modules (packed, transposed or dense). A layer's extent is its longest row's entries plus
+linears are the model's own modules (packed, transposed or dense; a packed layer's fused q/k/v and gate/up products,
+models/packed.py, called directly). A layer's extent is its longest row's entries plus
 the new one, as in the HF step, so on a CPU whose decode attention is the grouped one the two give the same bits
 (tests/test_fixed_step.py checks tokens and every cache entry after every step). With `bucket_keys` the extent is
 rounded up to `kernels.key_bucket` (a few shapes, for a captured graph); a batched fp32 softmax over another
@@ -143,9 +144,14 @@ class FixedStep:
         G = Hq // H
         at = layer.self_attn
         h = _rms(layer.input_layernorm, x)
-        q = at.q_proj(h).view(B, 1, Hq, D)
-        k = at.k_proj(h).view(B, 1, H, D)
-        v = at.v_proj(h).view(B, 1, H, D).transpose(1, 2)
+        fused = getattr(at, "qkv_proj", None)  # models/packed.py: one product for q, k and v where packed
+        if fused is not None:
+            q, k, v = fused(h).split(fused.splits, dim=-1)
+        else:
+            q, k, v = at.q_proj(h), at.k_proj(h), at.v_proj(h)
+        q = q.view(B, 1, Hq, D)
+        k = k.view(B, 1, H, D)
+        v = v.view(B, 1, H, D).transpose(1, 2)
         if hasattr(at, "q_norm"):  # Qwen3: per-head norms before the rotary
             q, k = at.q_norm(q), at.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -178,4 +184,6 @@ class FixedStep:
         x = x + at.o_proj(o.reshape(B, 1, Hq * D))
         h = _rms(layer.post_attention_layernorm, x)
         mlp = layer.mlp
-        return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        fused = getattr(mlp, "gate_up_proj", None)
+        gate, up = fused(h).split(fused.splits, dim=-1) if fused is not None else (mlp.gate_proj(h), mlp.up_proj(h))
+        return x + mlp.down_proj(mlp.act_fn(gate) * up)

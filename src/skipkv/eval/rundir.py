@@ -139,15 +139,26 @@ def _unrecorded_defaults_dropped(old: Any, new: Any) -> Any:
 
 
 def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-    """A 16-bit CPU run resumes only on the decode attention it began with (kernels.decode_sdpa, decode_pv), and a
-    bf16 one only on the same linears (kernels.linear_kernel): the kernels round differently, so a change of
-    processor or default mid-run would mix two computations in one cell. Runs whose record predates a kernel's
+    """A 16-bit CPU run resumes only on the decode attention it began with (kernels.decode_sdpa, decode_pv), a
+    bf16 one only on the same linears (kernels.linear_kernel), an fp32 one only packed or unpacked as it began:
+    the kernels round differently, so a change of processor or default mid-run would mix two computations in one
+    cell. Runs whose record predates a kernel's
     entry are not checked for it."""
     from skipkv.kernels import PACK_ENV, PV_ENV, SDPA_ENV, UPCAST_ENV, attention_kernel, linear_kernel
 
-    if config.get("dtype") not in ("bf16", "fp16") or not str(config.get("device", "cpu")).startswith("cpu"):
+    if not str(config.get("device", "cpu")).startswith("cpu"):
         return
     recorded = old.get("environment") or {}
+    if config.get("dtype") == "fp32":  # oneDNN's packed fp32 products and MKL's round differently
+        was_fp32 = (recorded.get("packed_linears_cpu_fp32") or {}).get("packed")
+        now_fp32 = (config["environment"].get("packed_linears_cpu_fp32") or {}).get("packed")
+        if was_fp32 is not None and now_fp32 is not None and was_fp32 != now_fp32:
+            raise SkipKVError(f"{out} was run with {'packed' if was_fp32 else 'unpacked'} fp32 linears, this run "
+                              f"would use {'packed' if now_fp32 else 'unpacked'} ones; resume it with "
+                              f"{PACK_ENV}={int(was_fp32)}, or use another --out")
+        return
+    if config.get("dtype") not in ("bf16", "fp16"):
+        return
     if recorded.get("decode_attention_cpu"):
         was = attention_kernel(recorded["decode_attention_cpu"])
         now = attention_kernel(config["environment"].get("decode_attention_cpu"))

@@ -238,7 +238,8 @@ def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeCho
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     pack, why = packed_linears(dtype, device)
     if pack:
-        why = f"{packed.pack_linears(model)} linears prepacked: {why}"
+        fused, count = packed.pack_linears(model)
+        why = f"{count} linears prepacked, {fused} fused q/k/v and gate/up products: {why}"
     else:
         upcast, up_why = upcast_linears(dtype, device)
         transposed, tr_why = transposed_linears(dtype, device)

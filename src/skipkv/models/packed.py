@@ -15,6 +15,14 @@ overrides). With `SKIPKV_PACKED_LINEARS=1` an fp32 model is packed the same way 
 sums in another order than MKL's, so its outputs agree to rounding, not bit for bit; docs/benchmarks.md has the
 figures).
 
+Fused projections (FusedLinear): where the linears are packed, a decoder layer's q/k/v projections become one
+packed product and its gate/up projections another, as vLLM's CPU engine runs them: one call instead of three (or
+two) per layer and step, each over a wider output. The HF modules keep calling `q_proj`, `k_proj`, `v_proj` (and
+`gate_proj`, `up_proj`): each is now a LinearPart, a slice of its FusedLinear's output, computed once for the
+input they share. On a 2-core AMD EPYC (AVX2, fp32, two threads, batch 16) a layer's q/k/v took 0.30 instead of
+0.41 ms and gate/up 3.07 instead of 3.41 ms; the fused product gives the same bits as the separate ones in fp32
+there (tests/test_packed.py).
+
 Memory: the packed copy replaces the dense weight, except where the project reads the dense one (`o_proj`:
 LaProx's output-aware score and the fidelity benchmark) and where it is shared (`lm_head` tied to the input
 embedding): there both exist (for Qwen2.5-0.5B, 38 MB of o_proj and the 272 MB tied embedding copied once).
@@ -67,6 +75,82 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+class FusedLinear(PackedLinear):
+    """Linears that read the same input (a layer's q/k/v, or gate/up) as one oneDNN-packed product whose output is
+    their outputs side by side (`splits` wide each). A missing bias is a zero one. `part` serves the LinearParts
+    that stand in for the original linears (module docstring)."""
+
+    def __init__(self, linears: list[torch.nn.Linear], batch_hint: int = 16) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features = linears[0].in_features
+        self.splits = [lin.out_features for lin in linears]
+        self.out_features = sum(self.splits)
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        biases = [lin.bias for lin in linears]
+        self.bias: torch.Tensor | None = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([weight.new_zeros(lin.out_features) if b is None else b.detach()
+                                   for lin, b in zip(linears, biases)])
+        # (input, its split output): the product the parts of one input share. Keyed by the input object itself,
+        # held until the last part takes its slice or another input comes, so it can never serve a stale result.
+        self._shared: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """The output of linear `index` of the fused ones for input x, from one product for all of them."""
+        if self._shared is None or self._shared[0] is not x:
+            self._shared = (x, self(x).split(self.splits, dim=-1))
+        out = self._shared[1][index]
+        if index == len(self.splits) - 1:
+            self._shared = None
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, splits={self.splits}, packed=oneDNN"
+
+
+class LinearPart(torch.nn.Module):
+    """Stands in for one of the linears a FusedLinear holds: its output is that linear's slice of the fused product
+    (FusedLinear.part). The FusedLinear is registered on its own parent (`qkv_proj`, `gate_up_proj`), not here."""
+
+    def __init__(self, fused: FusedLinear, index: int) -> None:
+        super().__init__()
+        self._fused = (fused,)  # a tuple: not a child module, so the fused weight is registered once
+        self.index = index
+        self.in_features, self.out_features = fused.in_features, fused.splits[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0].part(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of a fused product"
+
+
+# (parent attribute, fused attribute, the linears it fuses): the products fused in every decoder layer.
+FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def fuse_projections(model: Any) -> int:
+    """Fuse each decoder layer's q/k/v and gate/up linears of `model` (a transformers causal LM) into FusedLinears,
+    in place, the originals replaced by LinearParts (module docstring); returns how many were fused. A layer whose
+    projections are not all plain `nn.Linear`s (or are missing, e.g. a mixture of experts) is left as it is."""
+    count = 0
+    for layer in model.model.layers:
+        for parent_name, fused_name, names in FUSED:
+            parent = getattr(layer, parent_name, None)
+            linears = [getattr(parent, n, None) for n in names]
+            if parent is None or not all(type(lin) is torch.nn.Linear for lin in linears):
+                continue
+            fused = FusedLinear(linears)
+            setattr(parent, fused_name, fused)
+            for i, name in enumerate(names):
+                setattr(parent, name, LinearPart(fused, i))
+            del linears
+            release_free_memory()
+            count += 1
+    return count
 
 
 class TransposedLinear(torch.nn.Module):
@@ -142,9 +226,11 @@ def transpose_linears(model: Any) -> int:
     return count
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a PackedLinear, in place; returns how many."""
-    return _replace_linears(model, PackedLinear)
+def pack_linears(model: Any) -> tuple[int, int]:
+    """Fuse each decoder layer's projections (fuse_projections), then replace every other `nn.Linear` of `model`
+    by a PackedLinear, in place; returns (products fused, linears packed)."""
+    fused = fuse_projections(model)
+    return fused, _replace_linears(model, PackedLinear)
 
 
 def _replace_linears(model: torch.nn.Module, kind: type) -> int:
