@@ -124,7 +124,7 @@ def test_fused_linear_is_the_separate_products(bias, lead):
     # part 0 of x, then part 1 of another input: never x's product
     parts[0](x)
     assert same(parts[1](other), PackedLinear(lins[1], keep_dense=False)(other))
-    assert [n for n, _ in fused.named_parameters()] == [] and len(list(parts[0].children())) == 0
+    assert len(list(parts[0].children())) == 0  # the fused weight is registered once, on the parent
 
 
 @needs_onednn

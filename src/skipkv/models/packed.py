@@ -58,7 +58,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.bias = linear.bias
+        self.bias: torch.nn.Parameter | None = linear.bias
         if keep_dense:
             self.weight = linear.weight
 
@@ -90,10 +90,10 @@ class FusedLinear(PackedLinear):
         weight = torch.cat([lin.weight.detach() for lin in linears])
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         biases = [lin.bias for lin in linears]
-        self.bias: torch.Tensor | None = None
+        self.bias = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat([weight.new_zeros(lin.out_features) if b is None else b.detach()
-                                   for lin, b in zip(linears, biases)])
+            self.bias = torch.nn.Parameter(torch.cat([weight.new_zeros(lin.out_features) if b is None else b.detach()
+                                                      for lin, b in zip(linears, biases)]), requires_grad=False)
         # (input, its split output): the product the parts of one input share. Keyed by the input object itself,
         # held until the last part takes its slice or another input comes, so it can never serve a stale result.
         self._shared: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
@@ -143,7 +143,7 @@ def fuse_projections(model: Any) -> int:
             linears = [getattr(parent, n, None) for n in names]
             if parent is None or not all(type(lin) is torch.nn.Linear for lin in linears):
                 continue
-            fused = FusedLinear(linears)
+            fused = FusedLinear(linears)  # type: ignore[arg-type]  # all nn.Linear: checked above
             setattr(parent, fused_name, fused)
             for i, name in enumerate(names):
                 setattr(parent, name, LinearPart(fused, i))
