@@ -128,6 +128,30 @@ def test_fused_linear_is_the_separate_products(bias, lead):
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 511, 512, 513, 1300])
+def test_fp32_products_over_many_rows_run_in_blocks_with_the_same_bits(monkeypatch, rows):
+    from skipkv.models import packed as packed_mod
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 80)
+    layer = PackedLinear(lin, keep_dense=False)
+    x = torch.randn(rows, 96)
+    whole = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:  # counts the products and their rows
+        def __call__(self, a, *args):
+            calls.append(a.shape[0])
+            return real(a, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    assert torch.equal(layer(x), whole)
+    assert calls == ([packed_mod.FP32_ROW_BLOCK] * (rows // packed_mod.FP32_ROW_BLOCK)
+                     + [rows % packed_mod.FP32_ROW_BLOCK] * (rows % packed_mod.FP32_ROW_BLOCK > 0) or [0])
+
+
+@needs_onednn
 def test_fused_projections_replace_the_layers_linears_and_keep_the_logits(monkeypatch):
     monkeypatch.setenv(kernels.PACK_ENV, "0")
     dense = load_model("random:qwen2", dtype="fp32")
