@@ -1,48 +1,9 @@
-"""Paired comparison of two eval runs on the same examples: accuracy with Wilson 95% intervals, an exact
-McNemar test on the discordant pairs, mean generated length, identical outputs, and the policy stats the
-records carry (e.g. SkipKV's flagged_sentences).
+"""Kept so that the docs' older commands still run: the tool is `skipkv bench paired` (skipkv.report.paired).
 
-    python benchmarks/paired.py runs/results/gsm8k/rkv-b80-s0 runs/results/gsm8k/skipkv-b80-s0
+    python benchmarks/paired.py RUN_A RUN_B   (the same as: skipkv bench paired RUN_A RUN_B)
 """
 
-from __future__ import annotations
-
-import json
-import sys
-from pathlib import Path
-
-from skipkv.report.stats import mcnemar_exact, wilson
-
-
-def load(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
-    return {(r["id"], r.get("sample", 0)): r for r in rows}
-
-
-def main(a_dir: str, b_dir: str) -> None:
-    a, b = load(Path(a_dir)), load(Path(b_dir))
-    keys = sorted(set(a) & set(b))
-    n = len(keys)
-    for name, runs in ((Path(a_dir).name, a), (Path(b_dir).name, b)):
-        k = sum(bool(runs[x]["correct"]) for x in keys)
-        lo, hi = wilson(k, n)
-        gen = sum(runs[x]["generated_tokens"] for x in keys) / max(n, 1)
-        kv = sum(runs[x]["decode_peak_kv_tokens"] for x in keys) / max(n, 1)
-        print(f"{name:24s} n={n:4d}  accuracy {k / max(n, 1):6.1%} [{lo:.1%}, {hi:.1%}]  mean generated {gen:6.1f}  "
-              f"mean decode-peak KV {kv:6.1f} tokens/head")
-    only_a = sum(bool(a[x]["correct"]) and not b[x]["correct"] for x in keys)
-    only_b = sum(bool(b[x]["correct"]) and not a[x]["correct"] for x in keys)
-    same = sum(a[x]["output"] == b[x]["output"] for x in keys)
-    print(f"discordant: only {Path(a_dir).name} right {only_a}, only {Path(b_dir).name} right {only_b}; "
-          f"exact McNemar p = {mcnemar_exact(only_a, only_b):.3f}; identical outputs {same}/{n}")
-    for stat in ("sentences", "check_sentences", "flagged_sentences"):
-        vals = [b[x][stat] for x in keys if stat in b[x]]
-        if vals:
-            print(f"{Path(b_dir).name} {stat}: mean {sum(vals) / len(vals):.2f}, requests with any "
-                  f"{sum(v > 0 for v in vals)}/{len(vals)}")
-
+from skipkv.report.paired import main
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python benchmarks/paired.py RUN_A RUN_B")
-    main(sys.argv[1], sys.argv[2])
+    main()

@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("skipkv.report.cli",
              "slim and compress finished run dirs' records (each prompt -> its sha256; gzip), read transparently"),
     "show": ("skipkv.report.cli", "HTML pages of what the cache kept, per example (runs traced with --trace)"),
-    "bench": ("skipkv.bench.cli", "benchmarks (tables + JSON)"),
+    "bench": ("skipkv.report.bench_tools", "benchmarks (tables + JSON) and the tools that read finished runs"),
     "steer": ("skipkv.eval.steer_cli", "steering vectors (SEAL / SkipKV)"),
     "calibrate": ("skipkv.eval.calibrate", "TriAttention's per-model query statistics"),
     "serve": ("skipkv.serve.cli",

@@ -145,10 +145,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub):
+    """Add `bench` and its benchmarks to `sub`; returns the `bench` subparsers (skipkv/report/bench_tools.py adds
+    the analysis tools to them)."""
     from skipkv.engine.cli import kv_memory_arg
 
-    b = sub.add_parser("bench", help="benchmarks (tables + JSON)")
+    b = sub.add_parser("bench", help="benchmarks (tables + JSON) and the tools that read finished runs")
     bsub = b.add_subparsers(dest="bench", required=True)
     d = bsub.add_parser("decode", help="per-step decode time and KV memory vs generated length")
     d.add_argument("--model", default="random:qwen2:0.5b")
@@ -229,3 +231,4 @@ def register(sub) -> None:
     s.add_argument("--pid", type=int, default=0, help="--scenario sigterm: the server's process id")
     s.add_argument("--log", help="--scenario sigterm: the server's log file (tracebacks are counted)")
     s.set_defaults(func=cmd_serve)
+    return bsub

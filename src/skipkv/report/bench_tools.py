@@ -1,0 +1,31 @@
+"""`skipkv bench`: the benchmarks (skipkv/bench/cli.py) and the analysis tools that read finished runs' records.
+
+    skipkv bench grid docs/results/runs/longctx4k --against laprox-pool7
+    skipkv bench paired RUN_A RUN_B
+
+The analysis tools live in this layer (they read records, run no model), so they join the `bench` parser here:
+skipkv/bench/cli.py registers the benchmarks and hands back its subparsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from skipkv.bench.cli import register as register_benchmarks
+    from skipkv.report import grid, paired
+
+    bsub = register_benchmarks(sub)
+    g = bsub.add_parser("grid", help="a sweep's grid as Markdown tables: Wilson intervals, exact McNemar against a "
+                                     "reference policy (records packed or not)",
+                        description=(grid.__doc__ or "").splitlines()[0])
+    grid.add_arguments(g)
+    g.set_defaults(func=grid.run)
+    p = bsub.add_parser("paired", help="two eval runs on the same examples: accuracy, exact McNemar, length, "
+                                       "identical outputs",
+                        description=(paired.__doc__ or "").splitlines()[0])
+    p.add_argument("run_a", type=Path, help="a run dir (config.json and records)")
+    p.add_argument("run_b", type=Path, help="the run dir to pair with it")
+    p.set_defaults(func=paired.run)
