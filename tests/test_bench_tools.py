@@ -63,3 +63,46 @@ def test_bench_tools_refuse_in_one_line(tmp_path, capsys):
     assert "holds no records" in capsys.readouterr().err.strip()
     b = cell(tmp_path / "other", "b", {"e0"}, packed=False, n=0)
     assert main(["bench", "paired", str(a), str(b)]) == 2
+
+
+# Outputs split at blank lines; steps after the first: e0 execution + reflection ("Wait"), e1 transition
+# ("Alternatively") + execution, e2 execution only.
+OUTPUTS = ["Start.\n\nAdd 2 and 2.\n\nWait, check it.", "Start.\n\nAlternatively, count.\n\nSo 4.", "Start.\n\nSo 4."]
+
+
+def reflective_run(root: Path, name: str, packed: bool) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model": "m"}))
+    rows = [{"id": f"e{i}", "sample": 0, "prompt": "q", "output": out, "correct": i == 0,
+             "generated_tokens": 30 * (i + 1), "redundant_sentences": i} for i, out in enumerate(OUTPUTS)]
+    (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"complete": True, "n": 3}))
+    if packed:
+        assert pack(d) is not None
+    return d
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_reflection_tables_count_seal_step_classes(tmp_path, capsys, packed):
+    d = reflective_run(tmp_path, "chat-f0", packed)
+    assert main(["bench", "reflection-rate", str(d)]) == 0
+    assert f"| {d} | 3 | 5 | 3 | 1 | 1 | 2 |" in capsys.readouterr().out
+    assert main(["bench", "testbed-calibration", str(d)]) == 0
+    assert "| chat-f0 | 3 | 0.33 | 60 | 0.33 | 0.33 | 2/3 | 1.00 |" in capsys.readouterr().out
+    assert main(["bench", "reflection-rate", str(tmp_path / "missing")]) == 2
+    assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_paper_tables_from_summaries(tmp_path, capsys):
+    for name, acc, gen in (("full-s0", 0.5, 300.0), ("rkv-b64-s0", 0.25, 250.0), ("rkv-b128-s0", 0.4, 280.0)):
+        d = tmp_path / "gsm8k" / name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"n": 4, "accuracy": acc, "mean_generated_tokens": gen,
+                                                    "complete": name != "rkv-b128-s0"}))
+    assert main(["bench", "paper-tables", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| budget 64 | budget 128 |" in out
+    assert "| FullKV | 50.0 | 50.0 |" in out and "| R-KV | 25.0 | 40.0* |" in out  # * still running
+    assert "| FullKV | 300 | 300 |" in out and "| R-KV | 250 | 280* |" in out
+    assert main(["bench", "paper-tables", str(tmp_path / "missing")]) == 2

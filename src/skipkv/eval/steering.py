@@ -116,7 +116,7 @@ def build_from_chains(bundle, chains: list[tuple[str, list[int], list[int]]], la
     vectors = {L: direction(steps, L) for L in layers}
     if any(v is None for v in vectors.values()):
         hint = ("no step reflects or changes approach: this model may not re-check itself at all (see "
-                "benchmarks/reflection_rate.py on its eval runs), and a vector needs a model that does"
+                "skipkv bench reflection-rate on its eval runs), and a vector needs a model that does"
                 if counts["execution"] and not counts["reflection"] + counts["transition"]
                 else "use more examples or longer generations")
         raise SkipKVError(f"steering build found {counts} steps at \\n\\n tokens in {len(chains)} chains; it needs "
