@@ -1,65 +1,10 @@
-"""Wall time of a grid's cells run one by one (`run_eval` per cell) against the same cells sharing one prefill per
-example (`run_shared`), in the same process and on the same examples (each separate run loads the model, as a
-sweep's cell does); checks that both wrote the same records (timing fields aside).
+"""Kept so that the docs' older commands still run: the tool is `skipkv bench shared-prefill`
+(skipkv.bench.shared_prefill).
 
-    OMP_NUM_THREADS=1 python benchmarks/shared_prefill.py --length 4096 --examples 2 --out /tmp/shared-bench
+    python benchmarks/shared_prefill.py ...   # the same as: skipkv bench shared-prefill ...
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import shutil
-import time
-from pathlib import Path
-
-from skipkv.eval.runner import EvalConfig, run_eval
-from skipkv.eval.shared import run_shared
-
-TIMING = ("seconds", "compress_seconds", "session", "finished_at")
-CELLS = [("full", None, {}), ("streaming_llm", 0.1, {"phase": "prefill"}), ("snapkv", 0.1, {"phase": "prefill"}),
-         ("pyramidkv", 0.1, {"phase": "prefill"}), ("rkv", 0.1, {"phase": "prefill"}), ("laprox", 0.1, {}),
-         ("laprox", 0.1, {"kernel": 7}), ("snapkv", 0.05, {"phase": "prefill"}), ("laprox", 0.05, {})]
-
-
-def configs(root: Path, model: str, length: int, examples: int) -> list[EvalConfig]:
-    depths = [round((j + 1) / (examples + 1), 3) for j in range(examples)]
-    return [EvalConfig(model=model, dataset="niah", policy=p, out=str(root / f"{i}-{p}"), budget_ratio=r,
-                       policy_knobs=k, dataset_options={"lengths": [length], "depths": depths},
-                       max_new_tokens=32, batch_size=1, quiet=True)
-            for i, (p, r, k) in enumerate(CELLS)]
-
-
-def records(out: str) -> list[dict]:
-    rows = [json.loads(line) for line in (Path(out) / "records.jsonl").read_text().splitlines()]
-    return sorted(({k: v for k, v in r.items() if k not in TIMING} for r in rows), key=lambda r: r["id"])
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--examples", type=int, default=2)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    seconds: dict[str, float] = {}
-    for mode in ("shared", "alone"):
-        cfgs = configs(args.out / mode, args.model, args.length, args.examples)
-        t0 = time.perf_counter()
-        if mode == "shared":
-            run_shared(cfgs)
-        else:
-            for cfg in cfgs:
-                run_eval(cfg)
-        seconds[mode] = time.perf_counter() - t0
-    pairs = zip(*(configs(args.out / m, args.model, args.length, args.examples) for m in ("shared", "alone")))
-    same = all(records(a.out) == records(b.out) for a, b in pairs)
-    result = {"length": args.length, "examples": args.examples, "cells": len(CELLS), "seconds": seconds,
-              "speedup": seconds["alone"] / seconds["shared"], "identical_records": same}
-    print(json.dumps(result, indent=2))
-
+from skipkv.bench.shared_prefill import main
 
 if __name__ == "__main__":
     main()

@@ -106,3 +106,24 @@ def test_paper_tables_from_summaries(tmp_path, capsys):
     assert "| FullKV | 50.0 | 50.0 |" in out and "| R-KV | 25.0 | 40.0* |" in out  # * still running
     assert "| FullKV | 300 | 300 |" in out and "| R-KV | 250 | 280* |" in out
     assert main(["bench", "paper-tables", str(tmp_path / "missing")]) == 2
+
+
+def test_shared_prefill_never_deletes_a_folder_it_did_not_make(tmp_path, capsys):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work")
+    assert main(["bench", "shared-prefill", "--model", "random:qwen2", "--out", str(foreign)]) == 2
+    assert "is not an earlier output of this tool" in capsys.readouterr().err
+    assert (foreign / "thesis.tex").read_text() == "years of work"
+    a_file = tmp_path / "f.json"
+    a_file.write_text("{}")
+    assert main(["bench", "shared-prefill", "--model", "random:qwen2", "--out", str(a_file)]) == 2
+    assert a_file.exists()
+
+
+def test_profile_step_runs_a_tiny_model(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["bench", "profile-step", "--model", "random:qwen2", "--steps", "2", "--warmup", "2",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["steps"] == 2 and report["rows_ms"] and report["step_ms_plain_median"] > 0

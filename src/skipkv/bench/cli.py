@@ -231,4 +231,15 @@ def register(sub):
     s.add_argument("--pid", type=int, default=0, help="--scenario sigterm: the server's process id")
     s.add_argument("--log", help="--scenario sigterm: the server's log file (tracebacks are counted)")
     s.set_defaults(func=cmd_serve)
+    from skipkv.bench import profile_step, shared_prefill
+
+    ps = bsub.add_parser("profile-step", help="where one decode step's time goes (torch.profiler, per module class)",
+                         description=(profile_step.__doc__ or "").splitlines()[0])
+    profile_step.add_arguments(ps)
+    ps.set_defaults(func=profile_step.run)
+    sp = bsub.add_parser("shared-prefill", help="a grid's cells one by one against one shared prefill per example: "
+                                                "wall time, the same records",
+                         description=(shared_prefill.__doc__ or "").splitlines()[0])
+    shared_prefill.add_arguments(sp)
+    sp.set_defaults(func=shared_prefill.run)
     return bsub
