@@ -1,10 +1,12 @@
 """Kept so that the docs' older commands still run: the tool is `skipkv bench shared-prefill`
-(skipkv.bench.shared_prefill).
+(skipkv/bench/shared_prefill.py; its flags are in skipkv/bench/cli.py).
 
     python benchmarks/shared_prefill.py ...   # the same as: skipkv bench shared-prefill ...
 """
 
-from skipkv.bench.shared_prefill import main
+import sys
+
+from skipkv.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "shared-prefill", *sys.argv[1:]]))

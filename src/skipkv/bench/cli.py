@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from skipkv.config import (
     BATCH_WHY,
@@ -231,15 +232,36 @@ def register(sub):
     s.add_argument("--pid", type=int, default=0, help="--scenario sigterm: the server's process id")
     s.add_argument("--log", help="--scenario sigterm: the server's log file (tracebacks are counted)")
     s.set_defaults(func=cmd_serve)
-    from skipkv.bench import profile_step, shared_prefill
-
-    ps = bsub.add_parser("profile-step", help="where one decode step's time goes (torch.profiler, per module class)",
-                         description=(profile_step.__doc__ or "").splitlines()[0])
-    profile_step.add_arguments(ps)
-    ps.set_defaults(func=profile_step.run)
-    sp = bsub.add_parser("shared-prefill", help="a grid's cells one by one against one shared prefill per example: "
-                                                "wall time, the same records",
-                         description=(shared_prefill.__doc__ or "").splitlines()[0])
-    shared_prefill.add_arguments(sp)
-    sp.set_defaults(func=shared_prefill.run)
+    ap = bsub.add_parser("profile-step", help="where one decode step's time goes (torch.profiler, per module class; "
+                                              "skipkv/bench/profile_step.py)")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (the same prompt)")
+    ap.add_argument("--policy", default="full", help="policy spec, e.g. rkv:budget=256,interval=32")
+    ap.add_argument("--prompt-tokens", type=int, help="N random prompt tokens instead of the GSM8K question")
+    ap.add_argument("--warmup", type=int, default=16, help="steps before timing (prefill included)")
+    ap.add_argument("--top", type=int, default=0, help="also print the N aten ops with the most self CPU time")
+    ap.add_argument("--out", help="write the JSON report here")
+    ap.set_defaults(func=cmd_profile_step)
+    ap = bsub.add_parser("shared-prefill", help="a grid's cells one by one against one shared prefill per example: "
+                                                "wall time, the same records (skipkv/bench/shared_prefill.py)")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--length", type=int, default=4096, help="NIAH prompt length in tokens")
+    ap.add_argument("--examples", type=int, default=2, help="examples (needle depths) per cell")
+    ap.add_argument("--out", type=Path, required=True, help="a folder this tool owns (replaced on every run)")
+    ap.set_defaults(func=cmd_shared_prefill)
     return bsub
+
+
+def cmd_profile_step(args: argparse.Namespace) -> int:
+    from skipkv.bench.profile_step import run
+
+    return run(args)
+
+
+def cmd_shared_prefill(args: argparse.Namespace) -> int:
+    from skipkv.bench.shared_prefill import run
+
+    return run(args)

@@ -6,7 +6,7 @@ the engine's own Python, from torch.profiler over N steps of a full-cache reques
         --warmup 40 --steps 64          # a compressing policy in its steady state (a compression row is added)
     skipkv bench profile-step ... --top 25                   # and the aten ops with the most self time
 
-(`python benchmarks/profile_step.py ...`, the docs' older command, is the same.)
+(`python benchmarks/profile_step.py ...`, the docs' older command, is the same; its flags are in skipkv/bench/cli.py.)
 
 --prompt-tokens N replaces the GSM8K question by N random tokens (the synthetic workload's generator);
 --policy takes a `name[:knob=value,...]` spec; --warmup is the steps run before any timing (prefill included).
@@ -42,7 +42,9 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
 
 def label_of(module: torch.nn.Module) -> str | None:
     name = type(module).__name__
-    if isinstance(module, torch.nn.Linear) or name in ("PackedLinear", "UpcastLinear", "TransposedLinear"):
+    # FusedLinear: a packed layer's q/k/v or gate/up product (its LinearParts only slice it)
+    if isinstance(module, torch.nn.Linear) or name in ("PackedLinear", "FusedLinear", "UpcastLinear",
+                                                       "TransposedLinear"):
         return "linear"
     if name.endswith("RMSNorm"):
         return "norm"
@@ -75,25 +77,6 @@ def install_ranges(model: torch.nn.Module) -> list:
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     return handles
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    run(ap.parse_args())
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (the same prompt)")
-    ap.add_argument("--policy", default="full", help="policy spec, e.g. rkv:budget=256,interval=32")
-    ap.add_argument("--prompt-tokens", type=int, help="N random prompt tokens instead of the GSM8K question")
-    ap.add_argument("--warmup", type=int, default=16, help="steps before timing (prefill included)")
-    ap.add_argument("--top", type=int, default=0, help="also print the N aten ops with the most self CPU time")
-    ap.add_argument("--out", help="write the JSON report here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,6 +183,3 @@ def run(args: argparse.Namespace) -> int:
                        "environment": environment(bundle.dtype_choice)}, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    main()

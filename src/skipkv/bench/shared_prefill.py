@@ -41,24 +41,6 @@ def records(out: str) -> list[dict]:
     return sorted(({k: v for k, v in r.items() if k not in TIMING} for r in rows), key=lambda r: r["id"])
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--length", type=int, default=4096, help="NIAH prompt length in tokens")
-    ap.add_argument("--examples", type=int, default=2, help="examples (needle depths) per cell")
-    ap.add_argument("--out", type=Path, required=True, help="a folder this tool owns (replaced on every run)")
-
-
-def main() -> None:
-    from skipkv.errors import SkipKVError
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    try:
-        run(ap.parse_args())
-    except SkipKVError as exc:
-        raise SystemExit(f"shared_prefill.py: error: {exc}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     """`skipkv bench shared-prefill`: the JSON on stdout."""
     from skipkv.errors import SkipKVError
@@ -86,6 +68,3 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    main()
