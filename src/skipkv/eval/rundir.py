@@ -142,8 +142,7 @@ def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any])
     """A 16-bit CPU run resumes only on the decode attention it began with (kernels.decode_sdpa, decode_pv), a
     bf16 one only on the same linears (kernels.linear_kernel), an fp32 one only packed or unpacked as it began:
     the kernels round differently, so a change of processor or default mid-run would mix two computations in one
-    cell. Runs whose record predates a kernel's
-    entry are not checked for it."""
+    cell. Runs whose record predates a kernel's entry are not checked for it."""
     from skipkv.kernels import PACK_ENV, PV_ENV, SDPA_ENV, UPCAST_ENV, attention_kernel, linear_kernel
 
     if not str(config.get("device", "cpu")).startswith("cpu"):

@@ -20,12 +20,13 @@ packed product and its gate/up projections another, as vLLM's CPU engine runs th
 two) per layer and step, each over a wider output. The HF modules keep calling `q_proj`, `k_proj`, `v_proj` (and
 `gate_proj`, `up_proj`): each is now a LinearPart, a slice of its FusedLinear's output, computed once for the
 input they share. On a 2-core AMD EPYC (AVX2, fp32, two threads, batch 16) a layer's q/k/v took 0.30 instead of
-0.41 ms and gate/up 3.07 instead of 3.41 ms; the fused product gives the same bits as the separate ones in fp32
-there (tests/test_packed.py).
+0.41 ms and gate/up 3.07 instead of 3.41 ms. In fp32 there the fused product gives the separate ones' bits where
+the linears have no bias, and agrees to the last bit where they have one (tests/test_packed.py).
 
 Memory: the packed copy replaces the dense weight, except where the project reads the dense one (`o_proj`:
 LaProx's output-aware score and the fidelity benchmark) and where it is shared (`lm_head` tied to the input
-embedding): there both exist (for Qwen2.5-0.5B, 38 MB of o_proj and the 272 MB tied embedding copied once).
+embedding): there both exist (for Qwen2.5-0.5B in bf16, 38 MB of o_proj and the 272 MB tied embedding copied
+once; twice that in fp32).
 """
 
 from __future__ import annotations
