@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_b", type=Path, help="the run dir to pair with it")
     p.set_defaults(func=paired.run)
     t = bsub.add_parser("paper-tables", help="the SkipKV paper's tables (accuracy and length per method x budget) "
-                                             "from a sweep's finished cells", description=paper_tables.__doc__)
+                                             "from a sweep's finished cells",
+                        description=(paper_tables.__doc__ or "").splitlines()[0])
     t.add_argument("root", type=Path, help="a sweep's out dir: ROOT/<dataset>/<cell>/summary.json")
     t.set_defaults(func=paper_tables.run)
     for name, func, what in (("reflection-rate", reflection.run_reflection_rate,
