@@ -1,9 +1,12 @@
-"""Kept so that the docs' older commands still run: the tool is `skipkv bench grid` (skipkv.report.grid).
+"""Kept so that the docs' older commands (and benchmarks/reproduce_skipkv.sh) still run: the tool is
+`skipkv bench grid`.
 
-    python benchmarks/grid.py ...   (the same as: skipkv bench grid ...)
+    python benchmarks/grid.py ...   # the same as: skipkv bench grid ...
 """
 
-from skipkv.report.grid import main
+import sys
+
+from skipkv.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "grid", *sys.argv[1:]]))

@@ -1,9 +1,12 @@
-"""Kept so that the docs' older commands still run: the tool is `skipkv bench paired` (skipkv.report.paired).
+"""Kept so that the docs' older commands (and benchmarks/reproduce_skipkv.sh) still run: the tool is
+`skipkv bench paired`.
 
-    python benchmarks/paired.py RUN_A RUN_B   (the same as: skipkv bench paired RUN_A RUN_B)
+    python benchmarks/paired.py ...   # the same as: skipkv bench paired ...
 """
 
-from skipkv.report.paired import main
+import sys
+
+from skipkv.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "paired", *sys.argv[1:]]))

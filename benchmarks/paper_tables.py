@@ -1,12 +1,12 @@
-"""Kept so that benchmarks/reproduce_skipkv.sh and the docs' commands still run: the tool is
-`skipkv bench paper-tables` (skipkv.report.paper_tables).
+"""Kept so that the docs' older commands (and benchmarks/reproduce_skipkv.sh) still run: the tool is
+`skipkv bench paper-tables`.
 
-    python benchmarks/paper_tables.py ROOT   (the same as: skipkv bench paper-tables ROOT)
+    python benchmarks/paper_tables.py ...   # the same as: skipkv bench paper-tables ...
 """
 
 import sys
 
-from skipkv.report.paper_tables import main
+from skipkv.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["bench", "paper-tables", *sys.argv[1:]]))

@@ -1,10 +1,12 @@
-"""Kept so that the docs' older commands still run: the tool is `skipkv bench reflection-rate`
-(skipkv.report.reflection).
+"""Kept so that the docs' older commands (and benchmarks/reproduce_skipkv.sh) still run: the tool is
+`skipkv bench reflection-rate`.
 
-    python benchmarks/reflection_rate.py RUN_DIR ...   # the same as: skipkv bench reflection-rate RUN_DIR ...
+    python benchmarks/reflection_rate.py ...   # the same as: skipkv bench reflection-rate ...
 """
 
-from skipkv.report.reflection import main
+import sys
+
+from skipkv.cli import main
 
 if __name__ == "__main__":
-    main("reflection-rate")
+    sys.exit(main(["bench", "reflection-rate", *sys.argv[1:]]))

@@ -1,10 +1,12 @@
-"""Kept so that the docs' older commands still run: the tool is `skipkv bench testbed-calibration`
-(skipkv.report.reflection).
+"""Kept so that the docs' older commands (and benchmarks/reproduce_skipkv.sh) still run: the tool is
+`skipkv bench testbed-calibration`.
 
-    python benchmarks/testbed_calibration.py RUN_DIR ...   # the same as: skipkv bench testbed-calibration RUN_DIR ...
+    python benchmarks/testbed_calibration.py ...   # the same as: skipkv bench testbed-calibration ...
 """
 
-from skipkv.report.reflection import main
+import sys
+
+from skipkv.cli import main
 
 if __name__ == "__main__":
-    main("testbed-calibration")
+    sys.exit(main(["bench", "testbed-calibration", *sys.argv[1:]]))

@@ -235,8 +235,8 @@ def register(sub):
     ap = bsub.add_parser("profile-step", help="where one decode step's time goes (torch.profiler, per module class; "
                                               "skipkv/bench/profile_step.py)")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's, one per core)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together (the same prompt)")
     ap.add_argument("--policy", default="full", help="policy spec, e.g. rkv:budget=256,interval=32")

@@ -6,7 +6,7 @@ the engine's own Python, from torch.profiler over N steps of a full-cache reques
         --warmup 40 --steps 64          # a compressing policy in its steady state (a compression row is added)
     skipkv bench profile-step ... --top 25                   # and the aten ops with the most self time
 
-(`python benchmarks/profile_step.py ...`, the docs' older command, is the same; its flags are in skipkv/bench/cli.py.)
+(`python benchmarks/profile_step.py ...`, the docs' older command, is the same.)
 
 --prompt-tokens N replaces the GSM8K question by N random tokens (the synthetic workload's generator);
 --policy takes a `name[:knob=value,...]` spec; --warmup is the steps run before any timing (prefill included).

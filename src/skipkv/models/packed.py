@@ -20,8 +20,10 @@ packed product and its gate/up projections another, as vLLM's CPU engine runs th
 two) per layer and step, each over a wider output. The HF modules keep calling `q_proj`, `k_proj`, `v_proj` (and
 `gate_proj`, `up_proj`): each is now a LinearPart, a slice of its FusedLinear's output, computed once for the
 input they share. On a 2-core AMD EPYC (AVX2, fp32, two threads, batch 16) a layer's q/k/v took 0.30 instead of
-0.41 ms and gate/up 3.07 instead of 3.41 ms. In fp32 there the fused product gives the separate ones' bits where
-the linears have no bias, and agrees to the last bit where they have one (tests/test_packed.py).
+0.41 ms and gate/up 3.07 instead of 3.41 ms (a `/tmp` probe of packed random weights, not committed; alternating
+pairs gave gate/up 1.02-1.04x at 16 and 1,920 rows, docs/benchmarks.md). In fp32 there the fused product gives
+the separate ones' bits where the linears have no bias, and agrees to the last bit where they have one
+(tests/test_packed.py).
 
 Memory: the packed copy replaces the dense weight, except where the project reads the dense one (`o_proj`:
 LaProx's output-aware score and the fidelity benchmark) and where it is shared (`lm_head` tied to the input
@@ -54,8 +56,9 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
 
 # fp32 products over more rows than this run in blocks of this many rows. On a 2-core AMD EPYC (AVX2, two threads)
 # a layer's gate/up and down products over 1,850 prefill rows took 315 ms in blocks of 256 or 512 rows against 340
-# whole (six alternating rounds, every round faster; 1,024-row blocks: 335), the same bits (each row's sums do not
-# depend on the other rows). bf16 products were not measured: they run whole.
+# whole (six alternating rounds, every round faster; 1,024-row blocks: 335; a `/tmp` probe on random weights, not
+# committed), the same bits (each row's sums do not depend on the other rows). bf16 products were not measured:
+# they run whole.
 FP32_ROW_BLOCK = 512
 
 

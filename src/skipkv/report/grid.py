@@ -135,12 +135,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--datasets", default=None, help="comma-separated dataset dirs to keep (default: all)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    run(ap.parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> int:
     """`skipkv bench grid`: the tables on stdout."""
     from skipkv.errors import SkipKVError
@@ -161,6 +155,3 @@ def run(args: argparse.Namespace) -> int:
         print(table(grid, r, args.against, args.score))
     return 0
 
-
-if __name__ == "__main__":
-    main()

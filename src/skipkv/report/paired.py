@@ -10,7 +10,6 @@ records carry (e.g. SkipKV's flagged_sentences).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from skipkv.errors import SkipKVError
@@ -56,13 +55,3 @@ def compare(a_dir: str, b_dir: str) -> None:
         if vals:
             print(f"{Path(b_dir).name} {stat}: mean {sum(vals) / len(vals):.2f}, requests with any "
                   f"{sum(v > 0 for v in vals)}/{len(vals)}")
-
-
-def main() -> None:
-    if len(sys.argv) != 3:
-        sys.exit("usage: python benchmarks/paired.py RUN_A RUN_B")
-    compare(sys.argv[1], sys.argv[2])
-
-
-if __name__ == "__main__":
-    main()

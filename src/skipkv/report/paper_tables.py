@@ -15,22 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 ORDER = ("full", "rkv", "snapkv", "h2o", "skipkv", "skipkv-steer", "seal")
 NAMES = {"full": "FullKV", "rkv": "R-KV", "snapkv": "SnapKV", "h2o": "H2O", "skipkv": "SkipKV (eviction only)",
          "skipkv-steer": "SkipKV", "seal": "SEAL (full cache)"}
 CELL = re.compile(r"^(?P<label>.+?)(?:-b(?P<budget>\d+))?(?:-s\d+)?$")
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python benchmarks/paper_tables.py ROOT (a sweep's out dir: ROOT/<dataset>/<cell>)",
-              file=sys.stderr)
-        return 2
-    tables(Path(argv[0]))
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +56,3 @@ def tables(root: Path) -> None:
                     row.append("-" if not s or not s.get("n") else fmt(s[key]) + ("" if s.get("complete") else "*"))
                 print(f"| {NAMES.get(lab, lab)} | " + " | ".join(row) + " |")
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -17,7 +17,6 @@ counts). Records are read packed or not (`skipkv pack`). (`python benchmarks/ref
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -87,13 +86,3 @@ def run_reflection_rate(args: argparse.Namespace) -> int:
 def run_testbed_calibration(args: argparse.Namespace) -> int:
     print(testbed_calibration(args.runs))
     return 0
-
-
-def main(table: str) -> None:
-    """The old scripts' entry: `table` is "reflection-rate" or "testbed-calibration"; run dirs from argv."""
-    if len(sys.argv) < 2:
-        sys.exit(f"usage: skipkv bench {table} RUN_DIR ...")
-    try:
-        print((reflection_rate if table == "reflection-rate" else testbed_calibration)([Path(a) for a in sys.argv[1:]]))
-    except SkipKVError as exc:
-        sys.exit(f"{table}: error: {exc}")
