@@ -312,6 +312,14 @@ def test_a_bf16_run_resumes_only_on_the_linears_it_began_with(tmp_path: Path, mo
                                           "resume it with SKIPKV_PACKED_LINEARS=0"):
         run_eval(small(fp32, limit=3))
     assert len(records(fp32)) == 2
+    monkeypatch.setenv(kernels.PACK_ENV, "0")  # and on whether their decode step was compiled (it rounds otherwise)
+    monkeypatch.setenv(kernels.STEP_ENV, "compiled")
+    with pytest.raises(SkipKVError, match="was run with the eager decode step, this run would use the compiled one; "
+                                          "resume it with SKIPKV_DECODE_STEP=eager"):
+        run_eval(small(fp32, limit=3))
+    monkeypatch.setenv(kernels.STEP_ENV, "eager")
+    run_eval(small(fp32, limit=3))
+    assert len(records(fp32)) == 3
 
 
 def test_unpad_prefill_is_in_a_16bit_runs_identity_when_on(tmp_path: Path) -> None:

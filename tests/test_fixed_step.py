@@ -182,3 +182,39 @@ def test_generate_and_serve_take_device(command, capsys):
         code = exc.code
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "device 'cuda' is not available" in err, err
+
+
+@pytest.mark.parametrize("flags,threads,cxx,step", [
+    ({"avx2"}, 2, "g++", "compiled"),  # fp32 packed on an AVX2-only x86 CPU: measured faster compiled
+    ({"avx2"}, 2, "no-such-compiler", "eager"),  # torch.compile needs a C++ compiler
+    ({"avx2"}, 1, "g++", "eager"),  # one thread: not packed, not measured
+    ({"avx2", "avx512f"}, 2, "g++", "eager"),  # not measured with AVX512
+])
+def test_decode_step_is_compiled_where_measured_faster(monkeypatch, flags, threads, cxx, step):
+    from skipkv import kernels
+
+    for env in (kernels.STEP_ENV, kernels.PACK_ENV, kernels.TRANSPOSE_ENV, kernels.SDPA_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("CXX", cxx)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "g++" else None)
+    got, why = kernels.decode_step(torch.float32, "cpu")
+    assert got == step, why
+    assert kernels.decode_step(torch.float64, "cpu")[0] == "hf"
+    assert kernels.decode_step(torch.float32, "cuda")[0] == "hf"
+    monkeypatch.setenv(kernels.STEP_ENV, "eager")
+    assert kernels.decode_step(torch.float32, "cpu")[0] == "eager"
+
+
+def test_enforce_eager_keeps_the_step_uncompiled(monkeypatch, pair32):
+    """EngineConfig.enforce_eager (`--enforce-eager`) turns a compiled choice into the eager fixed step, and leaves
+    the other choices as they are."""
+    monkeypatch.setenv("SKIPKV_DECODE_STEP", "compiled")
+    with Engine(pair32[0], make_policy("full"), EngineConfig(enforce_eager=True)) as eng:
+        assert eng.runner.fixed is not None and not eng.runner.fixed.compiled
+    with Engine(pair32[0], make_policy("full"), EngineConfig()) as eng:
+        assert eng.runner.fixed is not None and eng.runner.fixed.compiled
+    monkeypatch.setenv("SKIPKV_DECODE_STEP", "hf")
+    with Engine(pair32[0], make_policy("full"), EngineConfig(enforce_eager=True)) as eng:
+        assert eng.runner.fixed is None

@@ -223,6 +223,9 @@ class EngineConfig:
     # the same tokens in fp64, a third less MLP work for 16 prompts of 78-163 tokens. In 16-bit dtypes a row can
     # round differently (as with another batch), so a 16-bit eval run records it.
     unpad_prefill: bool = True
+    # Never compile the decode step (kernels.decode_step compiles it where measured faster: fp32 on packed linears,
+    # ~22 s of compiling per process), as vLLM's `enforce_eager`: for short runs, or to rule the compiler out.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "engine")

@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,22 @@ def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple
         return "hf", "the HF modules' step: fused SDPA decode attention here, or fp64"
     # On a CPU whose decode attention is the grouped one, the fixed-shape step runs the same products and gives the
     # same bits (tests/test_fixed_step.py; bf16 checked too), 3-6% faster at batch 1 and 16 (docs/benchmarks.md).
-    # Compiled it gained at most the noise there, after 10-20 s of compiling per process: opt-in.
+    # Compiled (torch.compile, one graph per decoder layer) it removes most small ops and Python around the linears:
+    # on an AVX2-only EPYC (Zen 3), fp32 on packed linears, 16 x 128 went from 44.8 to 47.3 tokens/s and 1 x 96 from
+    # 7.9 to 9.1 (medians of 3 and 4 alternating pairs, docs/benchmarks.md), after ~22 s of compiling per process
+    # (both batch graphs; vLLM compiles at start-up too). Elsewhere it gained at most the noise: eager there.
+    # `EngineConfig.enforce_eager` (`--enforce-eager`) keeps the eager step, as vLLM's flag of that name.
+    if dtype == torch.float32 and packed_linears(dtype, device)[0]:
+        if cxx_compiler() is None:
+            return "eager", "fp32 on packed linears, but no C++ compiler for torch.compile (g++, or $CXX)"
+        return "compiled", ("fp32 on packed linears (AVX2-only x86): the compiled fixed-shape step, measured faster "
+                            "(--enforce-eager keeps it eager)")
     return "eager", "CPU with grouped decode attention: the fixed-shape step, the same bits, faster"
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU code generation would call ($CXX, else g++), if it is installed."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def key_bucket(keys: int) -> int:
@@ -358,6 +373,8 @@ def record() -> dict[str, Any]:
     env["packed_linears_cpu_fp32"] = {"packed": packed, "reason": why}
     step, why = decode_step(torch.bfloat16, "cpu")
     env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
+    step, why = decode_step(torch.float32, "cpu")
+    env["decode_step_cpu_fp32"] = {"step": step, "reason": why}
     if torch.cuda.is_available():
         backends, why = cuda_sdpa_backends()
         env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}

@@ -152,7 +152,8 @@ class Engine:
             self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
                                       steering=self.hook, trace=trace, kv_memory=self.config.kv_memory,
                                       share_prefix=self.config.share_prefix,
-                                      unpad_prefill=self.config.unpad_prefill)
+                                      unpad_prefill=self.config.unpad_prefill,
+                                      enforce_eager=self.config.enforce_eager)
         except BaseException:
             if self.hook is not None:  # a refused policy must not leave the hook on the model
                 self.hook.remove()

@@ -142,8 +142,9 @@ def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any])
     """A 16-bit CPU run resumes only on the decode attention it began with (kernels.decode_sdpa, decode_pv), a
     bf16 one only on the same linears (kernels.linear_kernel), an fp32 one only packed or unpacked as it began:
     the kernels round differently, so a change of processor or default mid-run would mix two computations in one
-    cell. Runs whose record predates a kernel's entry are not checked for it."""
-    from skipkv.kernels import PACK_ENV, PV_ENV, SDPA_ENV, UPCAST_ENV, attention_kernel, linear_kernel
+    cell; an fp32 run resumes only on the decode step (compiled or eager) it began with. Runs whose record
+    predates a kernel's entry are not checked for it."""
+    from skipkv.kernels import PACK_ENV, PV_ENV, SDPA_ENV, STEP_ENV, UPCAST_ENV, attention_kernel, linear_kernel
 
     if not str(config.get("device", "cpu")).startswith("cpu"):
         return
@@ -155,6 +156,12 @@ def _check_kernels(out: Path, old: Mapping[str, Any], config: Mapping[str, Any])
             raise SkipKVError(f"{out} was run with {'packed' if was_fp32 else 'unpacked'} fp32 linears, this run "
                               f"would use {'packed' if now_fp32 else 'unpacked'} ones; resume it with "
                               f"{PACK_ENV}={int(was_fp32)}, or use another --out")
+        # The compiled step fuses the norms and rotary, which round otherwise than the eager ops.
+        was_step = (recorded.get("decode_step_cpu_fp32") or {}).get("step")
+        now_step = (config["environment"].get("decode_step_cpu_fp32") or {}).get("step")
+        if was_step is not None and now_step is not None and was_step != now_step:
+            raise SkipKVError(f"{out} was run with the {was_step} decode step, this run would use the {now_step} one; "
+                              f"resume it with {STEP_ENV}={was_step}, or use another --out")
         return
     if config.get("dtype") not in ("bf16", "fp16"):
         return

@@ -103,7 +103,7 @@ def settings_from_args(args: argparse.Namespace):
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, kv_memory=args.kv_memory,
                         prefill_budget=args.prefill_budget, group_by_length=False, share_prefix=args.share_prefix,
-                        unpad_prefill=not args.no_unpad_prefill)
+                        unpad_prefill=not args.no_unpad_prefill, enforce_eager=args.enforce_eager)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
