@@ -203,3 +203,23 @@ def trig_head(k_pre: list[float], p: int, t: int, q_mean: list[complex], q_abs: 
             tot += abs(q_mean[f]) * abs(kc[f]) * math.cos((t - p + d) * inv_freq[f] + phi) / len(offsets)
     extra = sum((q_abs[f] - abs(q_mean[f])) * abs(kc[f]) for f in range(F))
     return (tot + extra) * scaling * scaling
+
+
+# ------------------------------------------------------------------------------------------ KVzip
+def kvzip_scores(q: torch.Tensor, k: torch.Tensor, P: int, scale: float) -> list[list[float]]:
+    """One layer of one causal forward over the prompt (P tokens) followed by a reconstruction input: q [Hq, N, D]
+    every post-RoPE query, k [H, N, D] every key. For kv head h and prompt entry j: the max, over the
+    reconstruction's queries (positions P..N-1) and the G query heads of h, of its causal softmax probability."""
+    Hq, N = q.shape[0], q.shape[1]
+    H = k.shape[0]
+    G = Hq // H
+    Q, K = q.tolist(), k.tolist()  # plain floats: the loops below index them
+    out = [[0.0] * P for _ in range(H)]
+    for h in range(H):
+        for g in range(G):
+            for t in range(P, N):
+                row = [sum(a * b for a, b in zip(Q[h * G + g][t], K[h][j])) * scale for j in range(t + 1)]
+                p = softmax(row)
+                for j in range(P):
+                    out[h][j] = max(out[h][j], p[j])
+    return out

@@ -56,6 +56,8 @@ SPECS = {
     "expected_attention": ("expected_attention", dict(budget=16, window=2, interval=4, stats_window=8)),
     "triattention": ("triattention", dict(budget=16, window=2, interval=4, stats_file="@calibrated")),
     "skipkv_tri": ("skipkv_tri", dict(budget=16, window=2, interval=4, stats_file="@calibrated")),
+    "kvzip": ("kvzip", dict(budget=10, chunk_size=12)),
+    "kvzip-layer": ("kvzip", dict(budget=10, allocation="layer")),
 }
 
 

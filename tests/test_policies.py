@@ -15,7 +15,7 @@ from skipkv.policies import POLICIES
 from skipkv.policies.base import Policy
 
 # Everything below is read from the registry and from what each policy declares: no policy is named here.
-# Policies listed but not runnable (`unavailable`, e.g. kvzip) are refused when built: tests/test_frontier_policies.py.
+# Policies listed but not runnable (`unavailable`) are refused when built (policies/base.py).
 COMPRESSING = [n for n in POLICIES.names() if POLICIES.get(n).compresses and not POLICIES.get(n).unavailable]
 # Policies whose layers end at different lengths (model-wide, or per-layer budgets via layer_capacity): the
 # step-by-step budget check below assumes one length for all layers; tests/test_laprox.py checks them per layer.

@@ -25,6 +25,7 @@ class Compression:
 
     store: KVStore
     queries: QueryBuffer | None
+    model: Any  # the HF causal LM (a policy may run its own forward over copies of what it observes: KVzip)
     layers: Any  # the model's decoder layers (their attention modules are what policies may read)
     tokenizer: Any
     trace: bool
@@ -125,5 +126,5 @@ class Compression:
         return Observation(layer=model_layer, keys=store.k[layer][slots, :, :n], values=store.v[layer][slots, :, :n],
                            positions=store.pos[layer][slots, :, :n], queries=queries, attn=attn,
                            module=self.layers[model_layer].self_attn, is_prefill=is_prefill, states=states,
-                           kv_head=kv_head)
+                           kv_head=kv_head, model=self.model)
 
