@@ -120,3 +120,38 @@ def test_protect_and_select_keeps_sink_and_window():
 def test_select_ties_are_deterministic():
     scores = torch.zeros(1, 1, 10)
     assert protect_and_select(scores, 4, 1, 0).tolist() == [[[0, 1, 2, 9]]]
+
+
+def ref_group_probs(q, k, causal):
+    """kvpress's SnapKVPress / Ada-KV GQA scores, naively: every query head's softmax over the keys (the last w
+    keys causal to the w queries when `causal`), averaged over the w queries and then over the G heads of a group."""
+    b, Hq, w, D = q.shape
+    H, n = k.shape[1], k.shape[2]
+    G = Hq // H
+    out = torch.zeros(b, H, n, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(H):
+            for g in range(G):
+                for i in range(w):
+                    row = [float(q[bi, h * G + g, i] @ k[bi, h, j]) / math.sqrt(D) for j in range(n)]
+                    e = [0.0 if causal and j - (n - w) > i else math.exp(x) for j, x in enumerate(row)]
+                    for j in range(n):
+                        out[bi, h, j] += e[j] / sum(e) / w / G
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_group_probs_average_each_query_heads_softmax(causal):
+    from skipkv.scoring import causal_window_importance
+
+    q, k = torch.randn(2, 6, 4, 8) * 3, torch.randn(2, 2, 11, 8) * 3  # G = 3, peaked enough to tell them apart
+    want = ref_group_probs(q, k, causal)
+    if causal:
+        got = causal_window_importance(q, k, "probs")
+        want = want[..., : 11 - 4]
+        mean = causal_window_importance(q, k, "mean")
+    else:
+        got = window_importance(q, k, 1, "max", "probs")
+        mean = window_importance(q, k, 1, "max", "mean")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(mean.double(), want, rtol=1e-3, atol=1e-4)  # the logits' mean is another score

@@ -17,9 +17,11 @@ prefill the selection runs after every chunk with the same per-layer total.
 
 Departures from the reference code (AdaKV repo, adaptive_snapkv), as we read it: scores default to SnapKV's
 own code (`variant=paper`: softmax over every key, the window causal, average pooling counting padding, as
-Ada-KV builds on it) with GQA logits averaged over each query group (`group_reduce=mean`) instead of keys
-repeated per query head; the floor is counted over candidates (protected tokens come on top of it); kept
-indices are sorted; the budget is per kv head (as every policy here), so a layer keeps `budget` x H in all.
+Ada-KV builds on it) with GQA logits averaged over each query group (`group_reduce=mean`) before one softmax;
+Ada-KV's GQA code and kvpress instead average the group's per-query-head softmax (`group_reduce=probs`, which
+gives kvpress's kept sets, benchmarks/kvpress_overlap; on a GQA model the default keeps other tokens); the
+floor is counted over candidates (protected tokens come on top of it); kept indices are sorted; the budget is
+per kv head (as every policy here), so a layer keeps `budget` x H in all.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation
 from skipkv.policies.laprox import model_wide_select
 from skipkv.policies.snapkv import SnapKV
+from skipkv.scoring import GROUP_REDUCES
 
 
 def head_floor(policy) -> int:
@@ -53,7 +56,8 @@ class AdaKV(SnapKV):
 
     variant: str = knob("paper", "rkv: softmax over the candidates (R-KV repo); paper: over all keys, window "
                         "causal, avg pooling counting padding (SnapKV code, as Ada-KV)", choices=("rkv", "paper"))
-    group_reduce: str = knob("mean", "reduce GQA logits over each query group", choices=("max", "mean"))
+    group_reduce: str = knob("mean", "GQA: max or mean of each query group's logits, or probs (mean of its "
+                             "per-head softmax, as kvpress and Ada-KV)", choices=GROUP_REDUCES)
     floor_ratio: float = knob(0.2, "share of the per-head candidate budget every kv head keeps at least "
                               "(Ada-KV's safeguard)", ge=0.0, le=1.0, kind=float)
     phase: str = knob("prefill", "when compression runs (Ada-KV compresses the prompt)", choices=("prefill",))

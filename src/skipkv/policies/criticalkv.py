@@ -21,8 +21,10 @@ builds on the Ada-KV repo):
 - the first stage's share counts the protected tokens, as kvpress's top-k does when the window carries the
   maximum score: a head keeping K tokens keeps int(first_stage_ratio x K) - window - sink candidates by
   attention (none if that is negative), then K - window - sink in all;
-- SnapKV's scores default to its own code (`variant=paper`, GQA logits averaged over each group), as kvpress's
-  SnapKVPress and Ada-KV score; the window is 32 queries (`prefill_window`), the kernel 7;
+- SnapKV's scores default to its own code (`variant=paper`, as kvpress's SnapKVPress and Ada-KV) with GQA logits
+  averaged over each group before one softmax (`group_reduce=mean`); kvpress averages the group's per-query-head
+  softmax instead (`group_reduce=probs` matches it, benchmarks/kvpress_overlap); the window is 32 queries
+  (`prefill_window`), the kernel 7;
 - ties go to the older token (and, in the Ada-KV allocation, the lower head); kept indices are sorted;
 - `criticalkv` may also run during decode (`--phase both`), re-scoring with the newest `window` queries as
   SnapKV does; the paper compresses the prompt only, which is the default. `criticalkv_ada` is prefill only.
@@ -41,6 +43,7 @@ from skipkv.policies.adakv import AdaKV
 from skipkv.policies.base import PHASES, Observation
 from skipkv.policies.laprox import model_wide_select
 from skipkv.policies.snapkv import SnapKV
+from skipkv.scoring import GROUP_REDUCES
 from skipkv.scoring.critical import projected_value_norm, two_stage_keep
 
 
@@ -69,7 +72,8 @@ class CriticalKV(SnapKV):
 
     variant: str = knob("paper", "SnapKV scores: rkv (softmax over the candidates) or paper (over all keys, window "
                         "causal, avg pooling counting padding; kvpress and Ada-KV)", choices=("rkv", "paper"))
-    group_reduce: str = knob("mean", "reduce GQA logits over each query group", choices=("max", "mean"))
+    group_reduce: str = knob("mean", "GQA: max or mean of each query group's logits, or probs (mean of its "
+                             "per-head softmax, as kvpress and Ada-KV)", choices=GROUP_REDUCES)
     first_stage_ratio: float = knob(0.5, "share of a head's budget kept by attention alone (stage one)",
                                     ge=0.0, le=1.0, kind=float)
     epsilon: float = knob(1e-4, "added to the attention before it is weighted by the projected value norm",

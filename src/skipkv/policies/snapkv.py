@@ -10,9 +10,10 @@ older tokens, averaged over queries, then 1-D pooled (`kernel` 7). Two variants:
   left out of its denominator), max pooling, and average pooling (`pooling=avg`) divides by the in-range width.
 - `paper` (SnapKV's own code, snapkv_utils.py): the window queries' softmax covers every key, the window keys
   causally masked, then the candidates are avg-pooled with zero padding counted (`count_include_pad`).
-`pooling=auto` means max for `rkv` and avg for `paper`. Departures from both: GQA logits are reduced over each
-query group (`group_reduce`, max as in R-KV) instead of repeating keys per query head, and kept indices are
-sorted. With `phase` prefill or both, `budget` must exceed `prefill_window + sink`.
+`pooling=auto` means max for `rkv` and avg for `paper`. GQA (`group_reduce`): `max` (default, as R-KV) or `mean`
+reduce each query group's logits before one softmax; `probs` averages the group's per-query-head softmax, as
+kvpress's SnapKVPress and Ada-KV's GQA code do (benchmarks/kvpress_overlap: kept sets equal kvpress's with it).
+Kept indices are sorted. With `phase` prefill or both, `budget` must exceed `prefill_window + sink`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
-from skipkv.scoring import causal_window_importance, pool1d, window_importance
+from skipkv.scoring import GROUP_REDUCES, causal_window_importance, pool1d, window_importance
 
 
 @POLICIES.register("snapkv")
@@ -44,7 +45,8 @@ class SnapKV(Policy):
                         choices=("auto", "max", "avg"))
     variant: str = knob("rkv", "rkv: softmax over the candidates (R-KV repo); paper: over all keys, window "
                         "causal, avg pooling counting padding (SnapKV code)", choices=("rkv", "paper"))
-    group_reduce: str = knob("max", "reduce GQA logits over each query group", choices=("max", "mean"))
+    group_reduce: str = knob("max", "GQA: max or mean of each query group's logits, or probs (mean of its "
+                             "per-head softmax, kvpress)", choices=GROUP_REDUCES)
 
     needs: ClassVar[frozenset[str]] = frozenset({"queries"})
 

@@ -9,17 +9,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+GROUP_REDUCES = ("max", "mean", "probs")  # how a GQA group's query heads make one kv head's score (window_probs)
+
+
+def group_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scaled logits of each query head against its kv head's keys: queries [b, H*G, w, D], keys [b, H, n, D]
+    -> [b, H, G, w, n] (fp32)."""
+    b, Hq, w, D = queries.shape
+    H = keys.shape[1]
+    q = queries.view(b, H, Hq // H, w, D).float()
+    return torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) / D**0.5
+
 
 def window_logits(queries: torch.Tensor, keys: torch.Tensor, group_reduce: str = "max") -> torch.Tensor:
     """Scaled logits of the observation queries against the keys, reduced over each GQA group.
 
     queries [b, H*G, w, D], keys [b, H, n, D] -> [b, H, w, n] (fp32). group_reduce: "max" (R-KV) or "mean".
     """
-    b, Hq, w, D = queries.shape
-    H = keys.shape[1]
-    q = queries.view(b, H, Hq // H, w, D).float()
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) / D**0.5
+    logits = group_logits(queries, keys)
     return logits.amax(dim=2) if group_reduce == "max" else logits.mean(dim=2)
+
+
+def window_probs(queries: torch.Tensor, keys: torch.Tensor, group_reduce: str = "max",
+                 future: torch.Tensor | None = None) -> torch.Tensor:
+    """Each observation query's softmax over the keys, averaged over the queries: [b, H*G, w, D] x [b, H, n, D]
+    -> [b, H, n]. GQA: "max" and "mean" reduce the group's logits before one softmax; "probs" takes each query
+    head's softmax and averages the G probabilities (kvpress's SnapKVPress and Ada-KV's GQA scores). `future`
+    [w, n]: True where a key is masked for a query."""
+    if group_reduce == "probs":
+        logits = group_logits(queries, keys)  # [b, H, G, w, n]
+        if future is not None:
+            logits = logits.masked_fill(future, float("-inf"))
+        return torch.softmax(logits, dim=-1).mean(dim=3).mean(dim=2)
+    logits = window_logits(queries, keys, group_reduce)  # [b, H, w, n]
+    if future is not None:
+        logits = logits.masked_fill(future, float("-inf"))
+    return torch.softmax(logits, dim=-1).mean(dim=2)
 
 
 def window_importance(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 7, pooling: str = "max",
@@ -29,8 +54,7 @@ def window_importance(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 7
     queries [b, H*G, w, D], keys [b, H, n, D] (only the candidate keys: callers drop the window first)
     -> [b, H, n]. No causal mask: candidates precede every observation query.
     """
-    probs = torch.softmax(window_logits(queries, keys, group_reduce), dim=-1).mean(dim=2)  # [b, H, n]
-    return pool1d(probs, kernel, pooling)
+    return pool1d(window_probs(queries, keys, group_reduce), kernel, pooling)
 
 
 def causal_window_importance(queries: torch.Tensor, keys: torch.Tensor, group_reduce: str = "max") -> torch.Tensor:
@@ -39,13 +63,11 @@ def causal_window_importance(queries: torch.Tensor, keys: torch.Tensor, group_re
 
     queries [b, H*G, w, D], keys [b, H, n, D] (the window's keys are the last w) -> [b, H, n - w].
     """
-    logits = window_logits(queries, keys, group_reduce)  # [b, H, w, n]
-    w, n = logits.shape[-2], logits.shape[-1]
-    rows = torch.arange(w, device=logits.device)[:, None]
-    cols = torch.arange(n, device=logits.device)[None, :]
+    w, n = queries.shape[2], keys.shape[2]
+    rows = torch.arange(w, device=keys.device)[:, None]
+    cols = torch.arange(n, device=keys.device)[None, :]
     future = cols - (n - w) > rows  # window key j is after query i
-    probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1).mean(dim=2)
-    return probs[..., : n - w]
+    return window_probs(queries, keys, group_reduce, future)[..., : n - w]
 
 
 def pool1d(x: torch.Tensor, kernel: int, pooling: str = "max", count_include_pad: bool = False) -> torch.Tensor:
