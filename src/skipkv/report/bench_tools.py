@@ -42,3 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         r = bsub.add_parser(name, help=what, description=(reflection.__doc__ or "").splitlines()[0])
         r.add_argument("runs", type=Path, nargs="+", help="run dirs (config.json and records, packed or not)")
         r.set_defaults(func=func)
+    from skipkv.report import prereg_frontier
+
+    f = bsub.add_parser("prereg-frontier", help="the registered analyses of the frontier grids (issue 45): "
+                                                "reasoning or long prompts",
+                        description=(prereg_frontier.__doc__ or "").splitlines()[0])
+    f.add_argument("kind", choices=("reasoning", "longctx"))
+    f.add_argument("root", type=Path, help="the grid's out dir: ROOT/<set>-b<k>/<cell>/records")
+    f.add_argument("--json", help="also write every table here")
+    f.set_defaults(func=prereg_frontier.run)
