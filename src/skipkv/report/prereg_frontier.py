@@ -28,6 +28,7 @@ import argparse
 import json
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from skipkv.files import exists, read_bytes
@@ -96,7 +97,7 @@ def _correct(r: dict) -> bool:
     return str(r["correct"]) == "True" if isinstance(r["correct"], str) else bool(r["correct"])
 
 
-def compare(cells: dict, tests: list[tuple[str, str, str | None]], value: str) -> list[dict]:
+def compare(cells: dict, tests: Sequence[tuple[str, str, str | None]], value: str) -> list[dict]:
     """McNemar on correctness for each (a, b, level), Holm over the list; with the paired mean difference of
     `value` ("tokens" or "partial") and its bootstrap interval."""
     rows = []
@@ -112,7 +113,7 @@ def compare(cells: dict, tests: list[tuple[str, str, str | None]], value: str) -
                      "acc_b": sum(_correct(rb[k]) for k in common) / max(1, len(common)),
                      "only_a": only_a, "only_b": only_b, "p": mcnemar_exact(only_a, only_b),
                      f"{value}_diff": sum(diffs) / len(diffs) if diffs else 0.0, "lo": lo, "hi": hi})
-    for row, adj in zip(rows, holm([r["p"] for r in rows])):
+    for row, adj in zip(rows, holm([float(r["p"]) for r in rows])):
         row["p_holm"] = adj
     return rows
 
@@ -139,7 +140,7 @@ def describe(cells: dict, value: str) -> list[dict]:
 def analyse(kind: str, root: Path) -> dict:
     grid = load(root)
     if kind == "reasoning":
-        cells = {}
+        cells: dict = {}
         for per_set in grid.values():  # one set (gsm8k), blocks merged by their (block, id) keys
             for key, recs in per_set.items():
                 cells.setdefault(key, {}).update(recs)
