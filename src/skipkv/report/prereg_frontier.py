@@ -100,7 +100,7 @@ def _correct(r: dict) -> bool:
 def compare(cells: dict, tests: Sequence[tuple[str, str, str | None]], value: str) -> list[dict]:
     """McNemar on correctness for each (a, b, level), Holm over the list; with the paired mean difference of
     `value` ("tokens" or "partial") and its bootstrap interval."""
-    rows = []
+    rows: list[dict] = []
     for a, b, level in tests:
         ra, rb = _cell(cells, a, level), _cell(cells, b, level)
         common = sorted(set(ra) & set(rb))
@@ -113,7 +113,7 @@ def compare(cells: dict, tests: Sequence[tuple[str, str, str | None]], value: st
                      "acc_b": sum(_correct(rb[k]) for k in common) / max(1, len(common)),
                      "only_a": only_a, "only_b": only_b, "p": mcnemar_exact(only_a, only_b),
                      f"{value}_diff": sum(diffs) / len(diffs) if diffs else 0.0, "lo": lo, "hi": hi})
-    for row, adj in zip(rows, holm([float(r["p"]) for r in rows])):
+    for row, adj in zip(rows, holm([r["p"] for r in rows])):
         row["p_holm"] = adj
     return rows
 
