@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from skipkv.files import exists, read_bytes
+from skipkv.report import prereg_skipkv
 from skipkv.report.stats import bootstrap, holm, mcnemar_exact, wilson
 
 CELL = re.compile(r"^(?P<label>.+?)(?:-(?:b|r)(?P<level>[\d.]+))?-s\d+$")
-BLOCK = re.compile(r"^(?P<set>.+?)-b(?P<block>\d+)$")
 REASONING_BUDGETS = ("64", "128")
 PRIMARY_REASONING = [(a, b, x) for x in REASONING_BUDGETS
                      for a, b in (("triattention", "rkv"), ("skipkv", "triattention"), ("skipkv-tri", "triattention"))]
@@ -48,18 +46,7 @@ UNCOMPRESSED = ("full",)
 
 def load(root: Path) -> dict:
     """{set: {(label, level or None): {(block, id): record}}}, from plain or packed records."""
-    grid: dict = defaultdict(lambda: defaultdict(dict))
-    for d in sorted(p for p in root.glob("*/*") if p.is_dir()):
-        cell, block = CELL.match(d.name), BLOCK.match(d.parent.name)
-        if not cell or not block:
-            continue
-        slot = grid[block["set"]][(cell["label"], cell["level"])]
-        records = d / "records.jsonl"  # or records.jsonl.gz (`skipkv pack`)
-        for line in read_bytes(records, "records").decode().splitlines() if exists(records) else []:
-            if line.strip():
-                r = json.loads(line)
-                slot[(int(block["block"]), r["id"])] = r
-    return grid
+    return prereg_skipkv.load(root, CELL, "level")
 
 
 def _lcs(a: str, b: str) -> int:

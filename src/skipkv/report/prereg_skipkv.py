@@ -40,14 +40,15 @@ SECONDARY = [(a, b, budget) for budget in BUDGETS
 PER_CHAIN = ("check_sentences", "flagged_sentences", "compressions")
 
 
-def load(root: Path) -> dict:
-    """{set: {(label, budget or None): {(block, id): record}}}; every cell directory counts, records or not."""
+def load(root: Path, cell_name: re.Pattern = CELL, level: str = "budget") -> dict:
+    """{set: {(label, budget or None): {(block, id): record}}}; every cell directory counts, records or not.
+    `cell_name` parses a cell directory's name, its group `level` the budget (prereg_frontier reads ratios too)."""
     grid: dict = defaultdict(lambda: defaultdict(dict))
     for d in sorted(p for p in root.glob("*/*") if p.is_dir()):
-        cell, block = CELL.match(d.name), BLOCK.match(d.parent.name)
+        cell, block = cell_name.match(d.name), BLOCK.match(d.parent.name)
         if not cell or not block:
             continue
-        slot = grid[block["set"]][(cell["label"], cell["budget"])]
+        slot = grid[block["set"]][(cell["label"], cell[level])]
         records = d / "records.jsonl"  # or records.jsonl.gz (`skipkv pack`)
         for line in read_bytes(records, "records").decode().splitlines() if exists(records) else []:
             if line.strip():
