@@ -144,6 +144,22 @@ def test_compiled_step_fullgraph_without_recompiles(monkeypatch, pair32):
         a.close(), b.close()
 
 
+@pytest.mark.slow  # ~40 s of compiling
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_compiled_step_on_packed_fused_linears(monkeypatch):
+    """The default on an AVX2-only x86 CPU in fp32 (kernels.decode_step): the compiled step over packed, fused
+    linears (their products through the `skipkv::packed_linear` op) gives the HF step's tokens and entries."""
+    monkeypatch.setenv("SKIPKV_PACKED_LINEARS", "1")
+    pair = [load_model("random:qwen2", dtype="fp32") for _ in range(2)]
+    a, b = engines(monkeypatch, pair, make_policy("rkv", **POLICIES["rkv"]), EngineConfig(batch_size=3),
+                   kinds=("hf", "compiled"))
+    try:
+        assert b.runner.fixed is not None and b.runner.fixed.compiled
+        lockstep(a, b, PROMPTS + PROMPTS[:1], [14, 9, 20, 4], atol=1e-5)
+    finally:
+        a.close(), b.close()
+
+
 def test_an_entry_past_the_capacity_is_refused_not_written(pair32):
     """As KVStore.append: a step that would write past a slot's capacity raises before any index write."""
     eng = Engine(pair32[0], make_policy("full"), EngineConfig(batch_size=1))
