@@ -94,3 +94,26 @@ def test_calibrate_bad_input_one_line(tmp_path, capsys):
         code = main(["calibrate", "--model", "random:qwen2", "--out", str(tmp_path / "o.safetensors"), *argv])
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1, (argv, err)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_calibrate_and_the_model_check_on_packed_fused_fp32_linears(tmp_path, monkeypatch, capsys):
+    """fp32 on packed linears (the default on AVX2-only x86): q_proj is a part of a fused q/k/v product holding no
+    tensor of its own; calibrating and checking still work, and the fingerprint matches the unpacked model's."""
+    from skipkv.policies.triattention import query_fingerprint
+
+    plain = load_model("random:qwen2", dtype="fp32")
+    monkeypatch.setenv("SKIPKV_PACKED_LINEARS", "1")
+    out = tmp_path / "s.safetensors"
+    code = main(["calibrate", "--model", "random:qwen2", "--dtype", "fp32", "--tokens", "32", "--segment", "16",
+                 "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    packed = load_model("random:qwen2", dtype="fp32")
+    q_proj = packed.model.model.layers[0].self_attn.q_proj
+    assert "part" in q_proj.extra_repr()  # the case that failed: no buffers or parameters on it
+    torch.testing.assert_close(query_fingerprint(q_proj, torch.float32),
+                               query_fingerprint(plain.model.model.layers[0].self_attn.q_proj, torch.float32),
+                               rtol=1e-4, atol=1e-4)
+    stats = TriStats.load(str(out))
+    for layer, block in enumerate(packed.model.model.layers):  # as TriAttention checks a run's model
+        stats.check_layer(layer, block.self_attn, torch.float32)

@@ -33,6 +33,7 @@ Choices and departures (reference: WeianMao/triattention, triattention.py and pr
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,6 +44,7 @@ import torch
 
 from skipkv.config import knob
 from skipkv.errors import SkipKVError
+from skipkv.models.packed import LinearPart
 from skipkv.models.rope import rope_frequencies
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
@@ -55,10 +57,11 @@ FINGERPRINT_RTOL = 1e-2  # a model in bf16 and in fp32 agree to ~0.1%; another c
 
 def query_fingerprint(q_proj, dtype: torch.dtype) -> torch.Tensor:
     """[2] fp64: the sum and absolute sum of q_proj applied to a fixed probe vector. Works whatever form the
-    linear takes (dense, packed, transposed: models/packed.py keeps no dense q_proj weight) and at any dtype."""
+    linear takes (dense, packed, transposed, a part of a fused q/k/v product: models/packed.py keeps no dense q_proj
+    weight) and at any dtype."""
     probe = torch.sin(torch.arange(q_proj.in_features, dtype=torch.float64) * 0.7)[None]
-    device = next(iter(q_proj.buffers()), None)
-    device = device.device if device is not None else next(q_proj.parameters()).device
+    owner = q_proj._fused[0] if isinstance(q_proj, LinearPart) else q_proj  # a fused part holds no tensor itself
+    device = next(itertools.chain(owner.buffers(), owner.parameters())).device
     with torch.no_grad():
         y = q_proj(probe.to(device=device, dtype=dtype)).double()
     return torch.stack([y.sum(), y.abs().sum()]).cpu()
