@@ -56,7 +56,7 @@ def build_model(folder: Path, kv_heads: int, layers: int, seed: int) -> None:
     kvzip does with template plain)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from skipkv.models.random import SHARP_SCALE, byte_tokenizer
+    from skipkv.models.random import byte_tokenizer, sharpen
 
     tok = byte_tokenizer()
     # head_dim written out: kvpress reads config.head_dim
@@ -66,12 +66,7 @@ def build_model(folder: Path, kv_heads: int, layers: int, seed: int) -> None:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                proj.weight.mul_(SHARP_SCALE)
-                if proj.bias is not None:
-                    proj.bias.mul_(SHARP_SCALE)
+    sharpen(model)
     model.save_pretrained(folder)
     tok.chat_template = None
     tok.save_pretrained(folder)

@@ -106,10 +106,15 @@ def build_random(spec: str, dtype: torch.dtype, seed: int = 0, device: torch.dev
             stack.enter_context(where)  # allocate and initialise on the device
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if size == "sharp":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                    proj.weight.mul_(SHARP_SCALE)
-                    if proj.bias is not None:
-                        proj.bias.mul_(SHARP_SCALE)
+        sharpen(model)
     return model, tokenizer, family
+
+
+def sharpen(model) -> None:
+    """Scale every layer's q and k projections (weight and bias) by SHARP_SCALE, in place: peaked attention."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.mul_(SHARP_SCALE)
+                if proj.bias is not None:
+                    proj.bias.mul_(SHARP_SCALE)

@@ -81,7 +81,7 @@ def _cell(cells: dict, label: str, level: str | None) -> dict:
 
 
 def _correct(r: dict) -> bool:
-    return str(r["correct"]) == "True" if isinstance(r["correct"], str) else bool(r["correct"])
+    return bool(r["correct"])
 
 
 def compare(cells: dict, tests: Sequence[tuple[str, str, str | None]], value: str) -> list[dict]:
@@ -111,7 +111,7 @@ def _value(r: dict, value: str) -> float:
 
 def describe(cells: dict, value: str) -> list[dict]:
     rows = []
-    for (label, level), recs in sorted(cells.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
+    for (label, level), recs in sorted(cells.items(), key=lambda kv: (float(kv[0][1] or 0), kv[0][0])):
         n = len(recs)
         if not n:
             continue
