@@ -1,4 +1,4 @@
-"""KVzip (policies/kvzip.py, scoring/kvzip.py) against a naive reference: the reconstruction's score from plain
+"""KVzip (policies/kvzip.py) against a naive reference: the reconstruction's score from plain
 loops over an independent forward (refdecoder's eager attention over a DynamicCache, prompt then reconstruction
 input as one causal sequence), and what the engine kept equals the naive top-k of those scores.
 
@@ -19,26 +19,13 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.config import EngineConfig
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
-from skipkv.scoring import kvzip as kvzip_scoring
-from skipkv.scoring.kvzip import reconstruction_scores
+from skipkv.policies import kvzip
 from test_frontier_policies import SHARP, prompts, run_captured
 
 
 @pytest.fixture(scope="module")
 def sharp():
     return load_model(SHARP, dtype="fp64")
-
-
-# ------------------------------------------------------------------------------------------ the scoring function
-@pytest.mark.parametrize("block_bytes", [1 << 28, 1], ids=["one-block", "one-query-per-block"])
-def test_reconstruction_scores_match_naive_loops(monkeypatch, block_bytes):
-    monkeypatch.setattr(kvzip_scoring, "BLOCK_BYTES", block_bytes)
-    g = torch.Generator().manual_seed(3)
-    Hq, H, P, T, D = 4, 2, 7, 5, 6
-    q = torch.randn(Hq, P + T, D, generator=g, dtype=torch.float64) * 2
-    k = torch.randn(H, P + T, D, generator=g, dtype=torch.float64)
-    got = reconstruction_scores(q[None, :, P:], k[None, :, :P], k[None, :, P:], 0.4)[0]
-    torch.testing.assert_close(got, torch.tensor(ref.kvzip_scores(q, k, P, 0.4), dtype=torch.float64))
 
 
 # ------------------------------------------------------------------------------------------ the naive reference
@@ -97,10 +84,14 @@ def naive_keep(scores: list[list[float]], per: int, budget: int, sink: int, wind
 
 
 # ------------------------------------------------------------------------------------------ the policy in the engine
-def test_kvzip_keeps_the_naive_selection(monkeypatch, sharp):
+@pytest.mark.parametrize("block_bytes", [kvzip.RECON_BLOCK_BYTES, 1], ids=["whole-chunks", "one-query-forwards"])
+def test_kvzip_keeps_the_naive_selection(monkeypatch, sharp, block_bytes):
     """Two prompts at batch 2, three reconstruction chunks each: the scores the policy computed from the engine's
     observation equal the naive ones, and what it kept (one top-k over every layer and kv head) equals the naive
-    top-k; the per-layer and per-head allocations on the same observation too. Heads keep different counts."""
+    top-k; the per-layer and per-head allocations on the same observation too. Heads keep different counts. A
+    chunk reconstructed one query per forward gives the same."""
+    monkeypatch.setattr(kvzip, "RECON_BLOCK_BYTES", block_bytes)
+    kvzip._LAST.clear()
     pol = make_policy("kvzip", budget=16, sink=2, window=2, chunk_size=20)
     ids = prompts(48, 37)
     calls = run_captured(monkeypatch, sharp, pol, ids, 6, batch=2)
@@ -153,3 +144,31 @@ def test_kvzip_reconstruction_entries_are_not_kept(sharp):
     L, H = sharp.model.config.num_hidden_layers, sharp.model.config.num_key_value_heads
     heads = [n for layer in res.head_kv_tokens for n in layer]
     assert len(heads) == L * H and sum(heads) == (pol.budget + 4) * L * H  # the last token is never cached
+
+
+def test_kvzip_reconstructs_a_prompt_once_per_cache(monkeypatch, sharp):
+    """Two budgets on the same prompt (as a shared prefill's branches) reconstruct it once; the same prompt under
+    other weights (the same model object) is reconstructed again, and the scores kept are those of a fresh run."""
+    calls: list[int] = []
+    real = kvzip.reconstruct
+    monkeypatch.setattr(kvzip, "reconstruct", lambda *a: calls.append(1) or real(*a))
+    prompt, sp = prompts(44), SamplingParams(max_new_tokens=4, ignore_eos=True)
+    kvzip._LAST.clear()
+    generate(sharp, prompt, sp, make_policy("kvzip", budget=12, chunk_size=24))
+    assert len(calls) == 2  # two chunks
+    generate(sharp, prompt, sp, make_policy("kvzip", budget=20, chunk_size=24))
+    assert len(calls) == 2
+    weight = sharp.model.model.layers[0].self_attn.k_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(1.5)
+        generate(sharp, prompt, sp, make_policy("kvzip", budget=12, chunk_size=24))
+        assert len(calls) == 4
+        kept = kvzip._LAST[0][1]
+        kvzip._LAST.clear()
+        generate(sharp, prompt, sp, make_policy("kvzip", budget=12, chunk_size=24))
+        assert all(torch.equal(a, b) for a, b in zip(kept, kvzip._LAST[0][1]))
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)

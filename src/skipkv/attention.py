@@ -121,6 +121,9 @@ class StepContext:
     positions: torch.Tensor  # [B, T] true positions of this forward's tokens
     queries: QueryBuffer | None = None
     accumulate: bool = False  # add attention probabilities into store.aux["attn"] (H2O)
+    # KVzip (policies/kvzip.py): per layer, the most probability each key gets from any query head and query of
+    # this forward, [B, H, K] (one tensor per block of rows), from the grouped attention's own softmax
+    max_probs: dict[int, list[torch.Tensor]] | None = None
 
     _masks: dict = field(default_factory=dict)
     _rows: list | None = None
@@ -170,7 +173,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
     fused = query.dtype == torch.float64 or (query.dtype != torch.float32 and decode_sdpa(query.device)[0])
-    if mask is None and not ctx.accumulate and fused:
+    if mask is None and not ctx.accumulate and ctx.max_probs is None and fused:
         # Every key visible to the one query of every row (batch 1, or rows of equal length), 16-bit: the very
         # call transformers' SDPA attention makes for such a step (GQA in the kernel, no mask), so it rounds as
         # transformers does; on CUDA and on CPUs with AMX it is also the faster one (kernels.decode_sdpa: on a
@@ -218,6 +221,8 @@ def _grouped_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: t
     if mask is not None:  # None: every key is visible to every query
         logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if ctx.max_probs is not None:
+        ctx.max_probs.setdefault(layer, []).append(probs.amax(dim=(2, 3)))
     start = ctx.start + first
     if ctx.accumulate:
         real = to_device(ctx.real[first:first + B], query.device)

@@ -9,8 +9,13 @@ exactly, starting with " and the previous chunk's last `overlap` tokens), the ch
 and start of the assistant's, then the chunk itself. Each reconstruction token attends to the cached prompt and
 to the reconstruction's tokens up to itself, at its true position (right after the prompt). A cached entry
 (layer l, kv head h, prompt position j) scores the MAX, over every reconstruction query and the G query heads of
-kv head h, of the softmax probability it gets (scoring.kvzip.reconstruction_scores); the lowest are evicted and
-the reconstruction's own entries are never kept. About 2-3x the prefill's cost.
+kv head h, of the softmax probability it gets; the lowest are evicted and the reconstruction's own entries are
+never kept. The probabilities are the reconstruction forward's own: the grouped attention records each layer's
+max as it computes its softmax (attention.StepContext.max_probs), so no second q.k is computed for the score.
+About 2-3x the prefill's cost; the last prompt's scores are kept, so the branches of one shared prefill (two
+budgets of a grid, `share_prefill`) reconstruct it once. An 8K needle (0.5B, fp32, quiet 2-core AMD EPYC Zen 3):
+the first budget's compression took 207 s and the second ~1 s (before: 484 s each, a second q.k for the score
+and whole 2,000-query forwards; see RECON_BLOCK_BYTES for the memory), the whole run's peak RSS 11.4 GB.
 
 Selection (`allocation`): `model` (default), one top-k over every (layer, kv head) of the model, `budget` x layers
 x kv heads entries, so layers and heads keep different counts: KVzip's default (one threshold over all layers and
@@ -21,9 +26,8 @@ holds fewer bytes (the reference repos mask or pad them).
 
 Engine integration: at the prefill compression (`select_model_wide`, one request at a time), each chunk's
 reconstruction runs through the HF model (`Observation.model`) and the skipkv attention backend over a temporary
-one-slot store holding COPIES of the request's prompt entries, every layer, plus room for the chunk; a query
-buffer as wide as the chunk captures each layer's post-RoPE queries. Both are dropped when the chunk is scored.
-These transient copies (the prompt's K/V in every layer, the chunk's, and L x Hq x T queries) live outside the
+one-slot store holding COPIES of the request's prompt entries, every layer, plus room for the chunk, dropped
+when the chunk is scored. These transient copies (the prompt's K/V in every layer, and the chunk's) live outside the
 slot store, so KV memory admission (engine/memory.py, from `head_capacity`/`head_prefill_keep`) counts the store
 truthfully and leaves them out: they are like activations, freed before the request decodes.
 
@@ -57,14 +61,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from skipkv.attention import BACKEND, QueryBuffer, StepContext, attention_backend
+from skipkv.attention import BACKEND, StepContext, attention_backend
 from skipkv.cache import KVStore, SlotCache
 from skipkv.config import knob
 from skipkv.errors import SkipKVError
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
 from skipkv.policies.laprox import model_wide_select
-from skipkv.scoring.kvzip import reconstruction_scores
 
 REPEAT = "\n\nRepeat the previous context exactly."
 REPEAT_PART = "\n\nRepeat the part of the previous context exactly, starting with "
@@ -96,11 +99,20 @@ def reconstruction_inputs(prompt_ids: list[int], tokenizer: Any, template: str, 
     return out
 
 
+# fp32 logits of one reconstruction forward's attention per layer, at most. The grouped attention holds Hq x
+# queries x keys of them (and their masked copy and softmax): an 8K prompt's whole 2,000-token chunk made 1.1 GB
+# each, and the process outgrew 23.5 GiB. A chunk therefore runs as several forwards of fewer queries over the
+# same cache (each query still sees the prompt and the reconstruction up to itself: the same attention).
+RECON_BLOCK_BYTES = 128 << 20
+
+
 def reconstruct(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
-                ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                ids: list[int]) -> list[torch.Tensor]:
     """Feed `ids` (T tokens, positions start..start+T-1) through `model` over a temporary one-slot store holding
-    copies of keys/values [1, H, P, D] per layer. Returns per layer the post-RoPE queries [1, Hq, T, D] and the
-    reconstruction's own keys [1, H, T, D]; the store and query buffer go when they do."""
+    copies of keys/values [1, H, P, D] per layer, in forwards of at most RECON_BLOCK_BYTES of logits. Returns per
+    layer [H, P]: the most probability each prompt entry got from any of the T queries and the kv head's query
+    heads, each query's softmax over the prompt and the reconstruction up to itself (the forwards' own attention,
+    attention.StepContext.max_probs). The store goes when this returns."""
     L, (_, H, P, D), T = len(keys), keys[0].shape, len(ids)
     device, dtype = keys[0].device, keys[0].dtype
     store = KVStore(L, 1, H, D, P + T, dtype, device)
@@ -108,18 +120,40 @@ def reconstruct(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor]
         store.k[l][:, :, :P] = keys[l]
         store.v[l][:, :, :P] = values[l]
     store.lengths[:, 0] = P
-    queries = QueryBuffer(L, 1, model.config.num_attention_heads, T, D, dtype, device)
-    pos = torch.arange(start, start + T, device=device)[None]
     cache = SlotCache(store)
-    cache.bind(0, pos)
-    ctx = StepContext(store, 0, torch.tensor([T]), pos, queries)
+    logit_bytes = model.config.num_attention_heads * (P + T) * torch.promote_types(dtype, torch.float32).itemsize
+    step = max(1, RECON_BLOCK_BYTES // logit_bytes)
+    best: list[torch.Tensor] = []
     # The engine compresses inside its own backend block; a policy driven otherwise gets one for this forward.
     routed = model.config._attn_implementation == BACKEND
     with contextlib.nullcontext() if routed else attention_backend(model), torch.no_grad():
-        model.model(input_ids=torch.tensor([ids], device=device), position_ids=pos, attention_mask=NO_MASKS,
-                    cache=cache, use_cache=True, skipkv_ctx=ctx)
-    slot = torch.zeros(1, dtype=torch.long, device=device)
-    return [queries.recent(l, slot, T) for l in range(L)], [store.k[l][:, :, P:P + T] for l in range(L)]
+        for t0 in range(0, T, step):
+            n = min(step, T - t0)
+            pos = torch.arange(start + t0, start + t0 + n, device=device)[None]
+            cache.bind(0, pos)
+            ctx = StepContext(store, 0, torch.tensor([n]), pos, max_probs={})
+            model.model(input_ids=torch.tensor([ids[t0:t0 + n]], device=device), position_ids=pos,
+                        attention_mask=NO_MASKS, cache=cache, use_cache=True, skipkv_ctx=ctx)
+            store.advance(0, torch.tensor([n]))
+            probs = ctx.max_probs or {}
+            if sorted(probs) != list(range(L)):
+                raise SkipKVError(f"kvzip: the reconstruction's attention reported {len(probs)} of {L} layers (it "
+                                  "needs the grouped attention over a uniform store)")
+            got = [torch.cat(probs[l])[0, :, :P] for l in range(L)]
+            best = got if not best else [torch.maximum(a, b) for a, b in zip(best, got)]
+    return best
+
+
+def _fingerprint(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                 inputs: list[list[int]]) -> tuple:
+    """What the scores depend on: the model object, the reconstruction inputs (they hold the whole prompt), where
+    they start, and the cached entries (their shapes and sums: another model's or weights' entries differ)."""
+    sums = tuple(float(t.double().sum()) for t in (*keys, *values))
+    return (id(model), start, tuple(map(tuple, inputs)), tuple(k.shape for k in keys), sums)
+
+
+# The last prompt's scores, (fingerprint, per layer [H, P]): a shared prefill's branches (budgets) score it once.
+_LAST: list[tuple[tuple, list[torch.Tensor]]] = []
 
 
 @dataclass(frozen=True)
@@ -189,16 +223,16 @@ class KVzip(Policy):
         keys = [torch.cat([o.keys for o in units], dim=1) for units in layers]  # [1, H, P, D] copies
         values = [torch.cat([o.values for o in units], dim=1) for units in layers]
         start = int(obs[0].positions.max()) + 1  # the reconstruction follows the prompt
-        scores: list[torch.Tensor | None] = [None] * len(layers)
-        for ids in states[0].inputs:
-            queries, own = reconstruct(model, keys, values, start, ids)
-            for l, units in enumerate(layers):
-                module = units[0].module
-                scale = getattr(module, "scaling", None) or keys[l].shape[-1] ** -0.5
-                s = reconstruction_scores(queries[l], keys[l], own[l], scale)[0]  # [H, P]
-                prev = scores[l]
-                scores[l] = s if prev is None else torch.maximum(prev, s)
-        return [s[h] for s in scores if s is not None for h in range(H)]
+        key = _fingerprint(model, keys, values, start, states[0].inputs)
+        if _LAST and _LAST[0][0] == key:
+            scores = _LAST[0][1]
+        else:
+            scores = []
+            for ids in states[0].inputs:
+                got = reconstruct(model, keys, values, start, ids)
+                scores = got if not scores else [torch.maximum(a, b) for a, b in zip(scores, got)]
+            _LAST[:] = [(key, scores)]
+        return [s[h] for s in scores for h in range(H)]
 
     def select_model_wide(self, obs: list[Observation]) -> list[torch.Tensor] | None:
         """obs: every (layer, kv head) unit of one request, layer-major. One top-k per `allocation` group."""
