@@ -10,7 +10,10 @@ measures, in one process:
    and the same through a captured CUDA graph (one replay of 1000 adds);
 2. per decode step of the engine at the full cache, batch 1 and 32 (equal-length rows, after warm-up steps):
    wall time, the GPU's busy time (the sum of the profiler's device kernel times), and the number of kernels
-   launched, for `full` and `rkv` (budget 512, compressing from step one: its prompt is over the budget);
+   launched, for `full` and `rkv` (budget 512, compressing from step one: its prompt is over the budget), for
+   each step kind: the HF modules (`hf`), the fixed-shape step (`eager`) and the same replayed as CUDA graphs
+   (`graph`, engine/graphs.py), with the first decode step's time and memory (the capture) and whether the
+   replayed step's greedy tokens equal the eager one's;
 3. the same for transformers' own forward at batch 1 with its DynamicCache (the reference path), with torch's
    own SDPA choice and with the engine's (kernels.cuda_sdpa_backends: cuDNN excluded).
 Wall time far above device busy time, with (kernels x launch cost) close to the wall time, means the step is
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 from skipkv import SamplingParams, make_policy
 from skipkv.config import EngineConfig
 from skipkv.engine import Engine
-from skipkv.kernels import cuda_sdpa_backends, sdpa_context
+from skipkv.kernels import STEP_ENV, cuda_sdpa_backends, sdpa_context
 from skipkv.models import load_model
 
 MODELS = {"7b": "random:qwen2:7b", "tiny": "random:qwen2"}
@@ -107,16 +111,39 @@ def prompt_ids(bundle, n: int = 600) -> list[int]:
     return [3 + (17 * i) % (vocab - 3) for i in range(n)]
 
 
-def engine_case(bundle, policy: str, batch: int, steps: int, out: Path) -> dict:
+def engine_case(bundle, policy: str, batch: int, steps: int, out: Path, kind: str = "hf") -> dict:
+    """The engine's decode step of kind `kind` (SKIPKV_DECODE_STEP: hf, eager, graph). Also records the greedy
+    tokens of the timed steps' first row and the first decode step's time and memory (where a graph step captures
+    its first graph: engine/graphs.py)."""
     kw = {"budget": 512, "window": 8, "interval": 128} if policy != "full" else {}
-    eng = Engine(bundle, make_policy(policy, **kw), EngineConfig(batch_size=batch))
+    previous = os.environ.get(STEP_ENV)
+    os.environ[STEP_ENV] = kind
+    try:
+        eng = Engine(bundle, make_policy(policy, **kw), EngineConfig(batch_size=batch))
+    finally:
+        os.environ.pop(STEP_ENV) if previous is None else os.environ.__setitem__(STEP_ENV, previous)
+    dev = bundle.device
     try:
         prompt = prompt_ids(bundle)  # 600 tokens: over rkv's budget, so it compresses at prefill
         for _ in range(batch):
             eng.add_request(prompt, SamplingParams(max_new_tokens=4 * steps + 16, ignore_eos=True))
-        for _ in range(4):  # prefill, then decode warm-up
+        eng.step()  # the prefill
+        sync(dev)
+        mem0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+        t = time.perf_counter()
+        eng.step()  # the first decode step (a graph step captures here)
+        sync(dev)
+        first = {"first_decode_ms": (time.perf_counter() - t) * 1e3,
+                 "first_decode_mib": ((torch.cuda.memory_allocated() - mem0) / 2**20) if dev.type == "cuda" else 0}
+        for _ in range(2):  # decode warm-up
             eng.step()
-        return profile_steps(eng.step, steps, bundle.device, out, f"engine_{policy}_b{batch}")
+        tokens: list[int] = []
+
+        def step() -> None:
+            tokens.extend(eng.step().new_tokens[:1])
+
+        row = profile_steps(step, steps, dev, out, f"engine_{policy}_b{batch}_{kind}")
+        return {**row, **first, "tokens": tokens}
     finally:
         eng.close()
 
@@ -179,7 +206,12 @@ def main() -> int:
         save()
     for policy in ("full", "rkv"):
         for batch in (1, 32):
-            report[f"engine_{policy}_b{batch}"] = engine_case(bundle, policy, batch, args.steps, out)
+            rows = {}
+            for kind in ("hf", "eager", "graph"):  # graph: the fixed step replayed as CUDA graphs (engine/graphs.py)
+                rows[kind] = report[f"engine_{policy}_b{batch}_{kind}"] = engine_case(bundle, policy, batch,
+                                                                                      args.steps, out, kind)
+                save()
+            report[f"graph_tokens_equal_eager_{policy}_b{batch}"] = rows["graph"]["tokens"] == rows["eager"]["tokens"]
             save()
     return 0
 

@@ -196,11 +196,12 @@ def decode_pv() -> tuple[str, str]:
 def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[str, str]:
     """How decode steps over a uniform store run (engine/step.py): "compiled" (the fixed-shape step through
     torch.compile), "eager" (the fixed-shape step, uncompiled) or "hf" (the HF modules with the skipkv attention
-    backend), and why. `SKIPKV_DECODE_STEP=compiled|eager|hf` overrides."""
+    backend), and why. `SKIPKV_DECODE_STEP=compiled|eager|hf|graph` overrides ("graph": engine/graphs.py, the
+    fixed step replayed, CUDA graphs on CUDA; never chosen by default until measured on a GPU)."""
     forced = os.environ.get(STEP_ENV)
     if forced is not None:
-        if forced not in ("compiled", "eager", "hf"):
-            raise SkipKVError(f"{STEP_ENV} must be compiled, eager or hf, got {forced!r}")
+        if forced not in ("compiled", "eager", "hf", "graph"):
+            raise SkipKVError(f"{STEP_ENV} must be compiled, eager, graph or hf, got {forced!r}")
         return forced, f"{STEP_ENV}={forced} (overridden)"
     device = torch.device(device)
     if device.type != "cpu" or dtype == torch.float64 or decode_sdpa(device)[0]:

@@ -26,6 +26,7 @@ from skipkv.attention import QueryBuffer, StepContext
 from skipkv.cache import KVStore, SlotCache
 from skipkv.cache.store import to_device
 from skipkv.engine.compression import Compression
+from skipkv.engine.graphs import GraphStep
 from skipkv.engine.memory import KVMemory, chunk_width, running_need
 from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
@@ -49,8 +50,9 @@ class ModelRunner(Compression):
         (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none).
         `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`). `unpad_prefill`:
         EngineConfig.unpad_prefill (models/unpad.py). `fixed_step`: "hf" (the HF modules, eager), "eager" or
-        "compiled" (engine/step.py) for decode steps over a uniform store; None: kernels.decode_step's choice, with
-        "eager" for "compiled" where `enforce_eager` (EngineConfig.enforce_eager)."""
+        "compiled" (engine/step.py), or "graph" (engine/graphs.py: replayed, CUDA graphs on CUDA) for decode steps
+        over a uniform store; None: kernels.decode_step's choice, with "eager" for "compiled" and "graph" where
+        `enforce_eager` (EngineConfig.enforce_eager)."""
         self.model = bundle.model
         self.unpad_prefill = unpad_prefill and unpad.install(bundle.model) > 0
         self.tokenizer = bundle.tokenizer
@@ -88,10 +90,13 @@ class ModelRunner(Compression):
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
         self._reshape_due = True  # something changed what the store must hold since the last fit()
         mode = decode_step(bundle.dtype, bundle.device)[0] if fixed_step is None else fixed_step
-        if enforce_eager and mode == "compiled":
+        if enforce_eager and mode in ("compiled", "graph"):
             mode = "eager"
-        self.fixed = (FixedStep(bundle.model, decode_pv()[0] == "model", compile=mode == "compiled")
-                      if mode != "hf" else None)
+        self.fixed: FixedStep | GraphStep | None = None
+        if mode != "hf":
+            fixed = FixedStep(bundle.model, decode_pv()[0] == "model", compile=mode == "compiled",
+                              bucket_keys=mode == "graph")
+            self.fixed = GraphStep(fixed) if mode == "graph" else fixed
         self._fitted_exact: bool | None = None
 
     @property

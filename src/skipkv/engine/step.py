@@ -47,6 +47,14 @@ def _rms(module: Any, x: torch.Tensor) -> torch.Tensor:
     return module.weight * xf.to(x.dtype)
 
 
+def _keep_pad(real: torch.Tensor | None, new: torch.Tensor | float, old: torch.Tensor) -> torch.Tensor | float:
+    """What a row-indexed write stores: `new`, except in padding rows (`real` False), which store `old`, the value
+    already there, so a padding row writes nothing real (engine/graphs.py). `real` None: every row is real."""
+    if real is None:
+        return new
+    return torch.where(real.view(-1, *[1] * (old.dim() - 1)), new, old)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -116,7 +124,9 @@ class FixedStep:
 
     def _step(self, tokens, positions, lengths, extents: list[int], k_store: list, v_store: list, pos_store: list,
               attn: list | None, zero_aux: list, q_ring: torch.Tensor | None, q_pos: Any,
-              steer: tuple | None) -> torch.Tensor:
+              steer: tuple | None, real: torch.Tensor | None = None) -> torch.Tensor:
+        """The step of rows [0, B) (B = tokens' length). `real` [B] bool (engine/graphs.py): rows that are False are
+        padding, whose writes store what is already there and whose attention adds nothing to H2O's sums."""
         inner = self.model.model
         B = tokens.shape[0]
         x = inner.embed_tokens(tokens[:, None])  # [B, 1, E]
@@ -127,17 +137,17 @@ class FixedStep:
         ring = None
         if q_ring is not None:
             ring = positions % q_ring.shape[3]
-            q_pos[rows, ring] = positions
+            q_pos[rows, ring] = _keep_pad(real, positions, q_pos[rows, ring])
         for l, layer in enumerate(inner.layers):
             if steer is not None and steer[0] == l:
                 x = x + steer[2][:, None, None] * steer[1]
             x = self._layer_fn(layer, x, cos, sin, rows, lengths[l], extents[l], pos32, k_store[l], v_store[l],
                                pos_store[l], None if attn is None else attn[l], [a[l] for a in zero_aux],
-                               None if q_ring is None else q_ring[l], ring)
+                               None if q_ring is None else q_ring[l], ring, real)
         return _rms(inner.norm, x)[:, 0]
 
     def _layer(self, layer: Any, x, cos, sin, rows, at_len, extent: int, pos32, k_store, v_store, pos_store, attn,
-               zero_aux: list, q_ring, ring) -> torch.Tensor:
+               zero_aux: list, q_ring, ring, real=None) -> torch.Tensor:
         """One decoder layer for one new token per row. at_len [B]: entries before it; `extent`: keys read."""
         B = x.shape[0]
         Hq, H, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -157,15 +167,15 @@ class FixedStep:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k_store[rows, :, at_len] = k[:, :, 0]
-        v_store[rows, :, at_len] = v[:, :, 0]
-        pos_store[rows, :, at_len] = pos32
+        k_store[rows, :, at_len] = _keep_pad(real, k[:, :, 0], k_store[rows, :, at_len])
+        v_store[rows, :, at_len] = _keep_pad(real, v[:, :, 0], v_store[rows, :, at_len])
+        pos_store[rows, :, at_len] = _keep_pad(real, pos32, pos_store[rows, :, at_len])
         for aux in zero_aux:
-            aux[rows, :, at_len] = 0.0
+            aux[rows, :, at_len] = _keep_pad(real, 0.0, aux[rows, :, at_len])
         if attn is not None:
-            attn[rows, :, at_len] = 0.0
+            attn[rows, :, at_len] = _keep_pad(real, 0.0, attn[rows, :, at_len])
         if q_ring is not None:
-            q_ring[rows, :, ring] = q[:, :, 0]
+            q_ring[rows, :, ring] = _keep_pad(real, q[:, :, 0], q_ring[rows, :, ring])
         kc = k_store[:B, :, :extent]  # [B, H, K, D]
         vc = v_store[:B, :, :extent]
         acc = torch.promote_types(q.dtype, torch.float32)  # as attention._grouped_attention
@@ -174,7 +184,8 @@ class FixedStep:
         logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # [B, H, G, K]
         if attn is not None:
-            attn[:B, :, :extent] += probs.sum(dim=2)
+            received = probs.sum(dim=2)  # [B, H, K]
+            attn[:B, :, :extent] += received if real is None else received * real[:, None, None]
         if not self.compiled:  # the HF step's own product (key buckets for a 16-bit p.V on a CPU included)
             o = attention._probs_times_values(probs.view(B, H, G, extent), vc, v_store[:B])
         elif vc.dtype in (torch.float32, torch.float64) or not self.pv_in_model_dtype:
