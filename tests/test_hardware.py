@@ -400,3 +400,56 @@ def test_every_on_off_override_rejects_other_values(monkeypatch, env, check):
         monkeypatch.setenv(env, value)
         ok, why = check()
         assert isinstance(ok, bool) and why
+
+
+def test_decode_attention_by_dtype(monkeypatch):
+    """One decision for both of attention.py's paths: fp64 SDPA, fp32 grouped, 16-bit as decode_sdpa."""
+    kernels._decode_attention.cache_clear()
+    try:
+        for forced, kind in (("1", "sdpa"), ("0", "grouped")):
+            monkeypatch.setenv(kernels.SDPA_ENV, forced)
+            assert kernels.decode_attention(torch.float64)[0] == "sdpa"
+            assert kernels.decode_attention(torch.float32)[0] == "grouped"
+            assert kernels.decode_attention(torch.bfloat16)[0] == kind
+    finally:
+        kernels._decode_attention.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernel_plan_is_what_the_model_runs(monkeypatch, tmp_path, dtype):
+    """The plan of a loaded model (and an eval run's config) names its own linears, decode attention, p.V and decode
+    step: packed fp32 linears and the compiled step where those are forced, eager under enforce_eager; the engine
+    built on that bundle runs the step the plan names."""
+    from skipkv import make_policy
+    from skipkv.config import EngineConfig
+    from skipkv.engine import Engine
+    from skipkv.engine.step import FixedStep
+
+    monkeypatch.setenv(kernels.PACK_ENV, "1")
+    monkeypatch.setenv(kernels.STEP_ENV, "compiled")
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")
+    kernels._decode_attention.cache_clear()
+    try:
+        bundle = load_model("random:qwen2", dtype=dtype)
+        plan = hardware.kernel_plan(bundle)
+        assert plan["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype] and plan["device"] == "cpu"
+        assert plan["linears"] == bundle.packed_linears != "" and plan["decode_attention"]["kernel"] == "grouped"
+        assert dtype != "fp32" or "prepacked" in plan["linears"]  # bf16 here: prepacked or upcast, by the CPU
+        assert plan["decode_pv"]["dtype"] == "model" and plan["decode_step"]["step"] == "compiled"
+        assert hardware.kernel_plan(bundle, enforce_eager=True)["decode_step"]["step"] == "eager"
+        eng = Engine(bundle, make_policy("full"), EngineConfig(enforce_eager=True))
+        try:
+            fixed = eng.runner.fixed
+            assert isinstance(fixed, FixedStep) and not fixed.compiled
+        finally:
+            eng.close()
+        assert hardware.environment(bundle=bundle)["kernel_plan"] == plan
+        assert "kernel_plan" not in hardware.environment()
+    finally:
+        kernels._decode_attention.cache_clear()
+    out = tmp_path / "run"
+    monkeypatch.setenv(kernels.STEP_ENV, "eager")
+    assert main(["eval", "--model", "random:qwen2", "--dtype", dtype, "--dataset", "gsm8k", "--limit", "1",
+                 "--max-tokens", "4", "--out", str(out)]) == 0
+    recorded = json.loads((out / "config.json").read_text())["environment"]["kernel_plan"]
+    assert recorded["decode_step"]["step"] == "eager" and recorded["linears"] == plan["linears"]

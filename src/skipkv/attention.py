@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from skipkv.cache.store import KVStore, to_device
-from skipkv.kernels import decode_pv, decode_sdpa, key_bucket, pv_buckets
+from skipkv.kernels import decode_attention, decode_pv, key_bucket, pv_buckets
 
 BACKEND = "skipkv"
 
@@ -172,7 +172,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
             _accumulate_causal(ctx, layer, query, key, scaling)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
-    fused = query.dtype == torch.float64 or (query.dtype != torch.float32 and decode_sdpa(query.device)[0])
+    fused = decode_attention(query.dtype, query.device)[0] == "sdpa"
     if mask is None and not ctx.accumulate and ctx.max_probs is None and fused:
         # Every key visible to the one query of every row (batch 1, or rows of equal length), 16-bit: the very
         # call transformers' SDPA attention makes for such a step (GQA in the kernel, no mask), so it rounds as
@@ -279,7 +279,7 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         return out.transpose(1, 2).contiguous(), None
     store, s0 = ctx.store, ctx.start
     scale = scaling if scaling is not None else D**-0.5
-    fused = query.dtype == torch.float64 or (query.dtype != torch.float32 and decode_sdpa(query.device)[0])
+    fused = decode_attention(query.dtype, query.device)[0] == "sdpa"
     outs = []
     for h, u in enumerate(units):
         K = max(rows[u]) + T

@@ -224,8 +224,54 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
-    """The record every eval and benchmark JSON carries: revision, versions, machine, and how the dtype was chosen."""
+def kernel_record() -> dict[str, Any]:
+    """The kernel choices (skipkv.kernels) for the environment record every eval and benchmark JSON carries: what a
+    CPU run in bf16 (and fp32, for the linears' layout) gets here, and why. `kernel_plan` is what one loaded model
+    runs."""
+    env: dict[str, Any] = {}
+    sdpa, why = kernels.decode_sdpa("cpu")
+    pv, pv_why = kernels.decode_pv()
+    buckets, buckets_why = kernels.pv_buckets(torch.bfloat16)
+    env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped", "reason": why,
+                                   "pv": pv, "pv_reason": pv_why,
+                                   "pv_key_buckets_bf16": buckets, "pv_key_buckets_reason": buckets_why}
+    packed, why = kernels.packed_linears(torch.bfloat16, "cpu")
+    env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
+    upcast, why = kernels.upcast_linears(torch.bfloat16, "cpu")
+    env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
+    transposed, why = kernels.transposed_linears(torch.float32, "cpu")
+    env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
+    packed, why = kernels.packed_linears(torch.float32, "cpu")
+    env["packed_linears_cpu_fp32"] = {"packed": packed, "reason": why}
+    step, why = kernels.decode_step(torch.bfloat16, "cpu")
+    env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
+    step, why = kernels.decode_step(torch.float32, "cpu")
+    env["decode_step_cpu_fp32"] = {"step": step, "reason": why}
+    if torch.cuda.is_available():
+        backends, why = kernels.cuda_sdpa_backends()
+        env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}
+    return env
+
+def kernel_plan(bundle: Any, enforce_eager: bool = False) -> dict[str, Any]:
+    """What a loaded model's forwards run, for its own dtype and device, as they run it: its linears as load_model
+    left them (`bundle.packed_linears`), and the decode attention, p.V and decode step that the engine resolves
+    for that dtype and device through the same skipkv.kernels functions. Eval runs record it as `kernel_plan`."""
+    dtype, device = bundle.dtype, bundle.device
+    attention, attention_why = kernels.decode_attention(dtype, device)
+    step, step_why = kernels.decode_step(dtype, device, enforce_eager)
+    sixteen = dtype.itemsize == 2
+    pv, pv_why = kernels.decode_pv() if sixteen else ("model", f"{dtype}: p.V in the model's own dtype")
+    return {"dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "linears": bundle.packed_linears or "torch's own",
+            "decode_attention": {"kernel": attention, "reason": attention_why},
+            "decode_pv": {"dtype": pv, "reason": pv_why,
+                          "key_buckets": sixteen and device.type == "cpu" and kernels.pv_buckets(dtype)[0]},
+            "decode_step": {"step": step, "reason": step_why}}
+
+
+def environment(dtype_choice: DtypeChoice | None = None, bundle: Any = None) -> dict[str, Any]:
+    """The record every eval and benchmark JSON carries: revision, versions, machine, how the dtype was chosen, the
+    kernel choices here, and with `bundle` (a loaded model) the plan its forwards run (`kernel_plan`)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     env: dict[str, Any] = {"git_revision": _git("rev-parse", "HEAD"),
                            "git_dirty": bool(status) if status is not None else None,
@@ -233,7 +279,9 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if dtype_choice is not None:
         env["dtype_choice"] = asdict(dtype_choice)
-    env.update(kernels.record())
+    env.update(kernel_record())
+    if bundle is not None:
+        env["kernel_plan"] = kernel_plan(bundle)
     env["allocator"] = dict(_allocator)
     return env
 
@@ -241,4 +289,4 @@ def environment(dtype_choice: DtypeChoice | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     import json
 
-    print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")), **kernels.record()}, indent=2))
+    print(json.dumps({"machine": machine(), "auto_dtype": asdict(choose_dtype("cpu")), **kernel_record()}, indent=2))

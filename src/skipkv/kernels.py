@@ -1,6 +1,7 @@
 """Kernel choices that follow the processor: decode attention, the p.V product and its key buckets, the linears'
 weight layout, and how a decode step runs. Each is a function returning (choice, reason), cached where it is called
-per layer, overridden by one environment variable, and recorded in every run's environment (`record`).
+per layer, overridden by one environment variable, and recorded in every run's environment
+(`hardware.kernel_record`; a loaded model's own choices, as they run: `hardware.kernel_plan`).
 
     python -m skipkv.hardware            # the machine, `--dtype auto`'s pick and every choice below, with reasons
 
@@ -193,11 +194,37 @@ def decode_pv() -> tuple[str, str]:
     return _decode_pv(os.environ.get(PV_ENV))
 
 
-def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[str, str]:
+@functools.lru_cache(maxsize=16)
+def _decode_attention(dtype: torch.dtype, device_type: str, forced: str | None) -> tuple[str, str]:
+    if dtype == torch.float64:
+        return "sdpa", "fp64: torch's fused SDPA, the exactness tests' reference"
+    if dtype == torch.float32:
+        return "grouped", "fp32: the grouped matmuls, faster from ~1K keys on (613 vs 1,424 us at 4K)"
+    sdpa, why = _decode_sdpa(device_type, forced)
+    return ("sdpa" if sdpa else "grouped"), why
+
+
+def decode_attention(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[str, str]:
+    """What a forward in `dtype` on `device` runs where every key is visible to each of its queries: "sdpa"
+    (torch's fused SDPA) or "grouped" (attention.py's grouped matmuls), and why: fp64 SDPA, fp32 grouped, a 16-bit
+    dtype as `decode_sdpa` says. Cached: called per layer."""
+    return _decode_attention(dtype, torch.device(device).type, os.environ.get(SDPA_ENV))
+
+
+def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu",
+                enforce_eager: bool = False) -> tuple[str, str]:
     """How decode steps over a uniform store run (engine/step.py): "compiled" (the fixed-shape step through
     torch.compile), "eager" (the fixed-shape step, uncompiled) or "hf" (the HF modules with the skipkv attention
     backend), and why. `SKIPKV_DECODE_STEP=compiled|eager|hf|graph` overrides ("graph": engine/graphs.py, the
-    fixed step replayed, CUDA graphs on CUDA; never chosen by default until measured on a GPU)."""
+    fixed step replayed, CUDA graphs on CUDA; never chosen by default until measured on a GPU). `enforce_eager`
+    (EngineConfig.enforce_eager, vLLM's name) turns "compiled" and "graph" into "eager"."""
+    step, why = _decode_step(dtype, device)
+    if enforce_eager and step in ("compiled", "graph"):
+        return "eager", f"enforce_eager (else {step}: {why})"
+    return step, why
+
+
+def _decode_step(dtype: torch.dtype, device: torch.device | str) -> tuple[str, str]:
     forced = os.environ.get(STEP_ENV)
     if forced is not None:
         if forced not in ("compiled", "eager", "hf", "graph"):
@@ -352,31 +379,3 @@ def transposed_linears(dtype: torch.dtype, device: torch.device | str = "cpu") -
         return True, "x86 CPU with AVX2, without AVX512: MKL's sgemm is faster on (in, out) weights"
     return False, ("CPU with AVX512: the transposed layout was measured on AVX2-only CPUs only" if "avx512f" in flags
                    else "not an AVX2 CPU: the transposed layout was measured on AVX2-only x86 CPUs only")
-
-
-def record() -> dict[str, Any]:
-    """The kernel choices for the environment record every eval and benchmark JSON carries (hardware.environment):
-    what a CPU run in bf16 (and fp32, for the linears' layout) gets here, and why."""
-    env: dict[str, Any] = {}
-    sdpa, why = decode_sdpa("cpu")
-    pv, pv_why = decode_pv()
-    buckets, buckets_why = pv_buckets(torch.bfloat16)
-    env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped", "reason": why,
-                                   "pv": pv, "pv_reason": pv_why,
-                                   "pv_key_buckets_bf16": buckets, "pv_key_buckets_reason": buckets_why}
-    packed, why = packed_linears(torch.bfloat16, "cpu")
-    env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
-    upcast, why = upcast_linears(torch.bfloat16, "cpu")
-    env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
-    transposed, why = transposed_linears(torch.float32, "cpu")
-    env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
-    packed, why = packed_linears(torch.float32, "cpu")
-    env["packed_linears_cpu_fp32"] = {"packed": packed, "reason": why}
-    step, why = decode_step(torch.bfloat16, "cpu")
-    env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
-    step, why = decode_step(torch.float32, "cpu")
-    env["decode_step_cpu_fp32"] = {"step": step, "reason": why}
-    if torch.cuda.is_available():
-        backends, why = cuda_sdpa_backends()
-        env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}
-    return env

@@ -44,15 +44,13 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 class ModelRunner(Compression):
     def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
                  steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0,
-                 share_prefix: int = 0, unpad_prefill: bool = True, fixed_step: str | None = None,
-                 enforce_eager: bool = False) -> None:
+                 share_prefix: int = 0, unpad_prefill: bool = True, enforce_eager: bool = False) -> None:
         """`policy`: what to capture for (queries, attention sums, hidden states); each request brings its own
         (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none).
         `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`). `unpad_prefill`:
-        EngineConfig.unpad_prefill (models/unpad.py). `fixed_step`: "hf" (the HF modules, eager), "eager" or
-        "compiled" (engine/step.py), or "graph" (engine/graphs.py: replayed, CUDA graphs on CUDA) for decode steps
-        over a uniform store; None: kernels.decode_step's choice, with "eager" for "compiled" and "graph" where
-        `enforce_eager` (EngineConfig.enforce_eager)."""
+        EngineConfig.unpad_prefill (models/unpad.py). Decode steps over a uniform store run as
+        kernels.decode_step says (the HF modules, engine/step.py's fixed step eager or compiled, or engine/graphs.py's
+        replayed one), eager where `enforce_eager` (EngineConfig.enforce_eager)."""
         self.model = bundle.model
         self.unpad_prefill = unpad_prefill and unpad.install(bundle.model) > 0
         self.tokenizer = bundle.tokenizer
@@ -89,9 +87,7 @@ class ModelRunner(Compression):
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
         self._reshape_due = True  # something changed what the store must hold since the last fit()
-        mode = decode_step(bundle.dtype, bundle.device)[0] if fixed_step is None else fixed_step
-        if enforce_eager and mode in ("compiled", "graph"):
-            mode = "eager"
+        mode = decode_step(bundle.dtype, bundle.device, enforce_eager)[0]
         self.fixed: FixedStep | GraphStep | None = None
         if mode != "hf":
             fixed = FixedStep(bundle.model, decode_pv()[0] == "model", compile=mode == "compiled",

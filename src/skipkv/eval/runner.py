@@ -57,10 +57,10 @@ __all__ = ["SUMMARY_FILE", "TRACES_FILE", "EvalConfig", "run_eval", "sample_seed
 _LATER_SAMPLING = {"force_wait": 0, "n": 1, "repetition_penalty": 1.0}
 
 
-def _environment() -> dict[str, Any]:
+def _environment(bundle: Any) -> dict[str, Any]:
     from skipkv.hardware import environment
 
-    return environment()
+    return environment(bundle=bundle)
 
 
 
@@ -136,7 +136,7 @@ def open_run(cfg: EvalConfig, plan: Plan, bundle: Any, created: list, shared_pre
         "execution": {"limit": cfg.limit, "samples": cfg.samples, "batch_size": cfg.batch_size,
                       "kv_memory": cfg.kv_memory, "out": str(plan.out), "reference_dir": cfg.reference}
         | ({"shared_prefill": True} if shared_prefill else {}),
-        "environment": _environment() | {"dtype_reason": cfg.dtype_reason}, "config_version": CONFIG_VERSION,
+        "environment": _environment(bundle) | {"dtype_reason": cfg.dtype_reason}, "config_version": CONFIG_VERSION,
     })
     check_or_write_config(plan.out, config)
     created.clear()  # the folder now holds a run: keep it whatever happens next
