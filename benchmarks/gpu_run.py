@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -33,7 +34,7 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.bench.throughput import Workload, make_workload, run_bench, run_engine, run_hf
 from skipkv.config import EngineConfig, parse_bytes
 from skipkv.engine import Engine, encode_prompt
-from skipkv.kernels import cuda_sdpa_backends, sdpa_context
+from skipkv.kernels import STEP_ENV, cuda_sdpa_backends, sdpa_context
 from skipkv.models import load_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived a", "2 + 2 =",
@@ -62,7 +63,28 @@ def check_exact(device: str, big) -> dict:
     with sdpa_context(big.device):
         ref = hf_greedy(big, PROMPTS[1], 32)
     agree = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), len(ref))
-    return {"tiny_fp64_full_equals_hf_greedy": exact, "big_bf16_greedy_tokens_agreeing_of_32": agree}
+    return {"tiny_fp64_full_equals_hf_greedy": exact, "big_bf16_greedy_tokens_agreeing_of_32": agree,
+            **replayed_equals_eager(device)}
+
+
+def replayed_equals_eager(device: str) -> dict:
+    """The fixed step replayed (engine/graphs.py: CUDA graphs on CUDA) against the same step eager, on the tiny
+    model in fp32: the same greedy tokens, per policy (ragged rows, batch 4, compression for rkv)."""
+    tiny = load_model("random:qwen2", dtype="fp32", device=device)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    out, previous = {}, os.environ.get(STEP_ENV)
+    for policy in ("full", "rkv"):
+        tokens = {}
+        for kind in ("eager", "graph"):
+            os.environ[STEP_ENV] = kind
+            try:
+                got = generate(tiny, PROMPTS, sp, make_policy(policy, **({"budget": 16} if policy == "rkv" else {})),
+                               EngineConfig(batch_size=4))
+            finally:
+                os.environ.pop(STEP_ENV) if previous is None else os.environ.__setitem__(STEP_ENV, previous)
+            tokens[kind] = [r.token_ids for r in got]
+        out[f"tiny_fp32_{policy}_graph_equals_eager"] = tokens["graph"] == tokens["eager"]
+    return out
 
 
 def count_syncs(bundle, policy: str = "full") -> dict:
