@@ -252,6 +252,7 @@ def kernel_record() -> dict[str, Any]:
         env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}
     return env
 
+
 def kernel_plan(bundle: Any, enforce_eager: bool = False) -> dict[str, Any]:
     """What a loaded model's forwards run, for its own dtype and device, as they run it: its linears as load_model
     left them (`bundle.packed_linears`), and the decode attention, p.V and decode step that the engine resolves

@@ -34,7 +34,6 @@ import torch
 
 from skipkv.cache.store import to_device
 from skipkv.engine.step import FixedStep
-from skipkv.kernels import key_bucket
 
 
 def batch_bucket(rows: int, slots: int) -> int:
@@ -74,23 +73,17 @@ class GraphStep:
                  accumulate: bool = False, steer: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, device = tokens.shape[0], tokens.device
         Bb = batch_bucket(B, store.num_slots)
-        cap = store.capacities[0]
-        longest = [int(n) for n in store.lengths[:, :B].amax(dim=1).tolist()]
-        if max(longest) + 1 > cap:  # as KVStore.append: never an index past the slot
-            raise RuntimeError(f"KV slot overflow: need {max(longest) + 1} entries, capacity {cap}")
-        extents = tuple(min(cap, key_bucket(n + 1)) for n in longest)
-        attn = store.aux["attn"] if accumulate else None
-        zero_aux = [store.aux[n] for n in store.aux_names if not (accumulate and n == "attn")]
+        extents, attn, zero_aux = self.fixed.layout(store, B, accumulate)  # extents in key buckets
         pointers = tuple(t.data_ptr() for t in (*store.k, *store.v, *store.pos, *(attn or []),
                                                  *[a for aux in zero_aux for a in aux],
                                                  *(() if queries is None else (queries.q, queries.qpos))))
         if pointers != self._pointers:  # the store or the query buffer was reallocated: no graph reads it now
             self.graphs.clear()
             self._pointers = pointers
-        key = (Bb, extents, accumulate, queries is not None, None if steer is None else steer[0])
+        key = (Bb, tuple(extents), accumulate, queries is not None, None if steer is None else steer[0])
         g = self.graphs.get(key)
         if g is None:
-            g = self._build(store, Bb, list(extents), attn, zero_aux, queries, steer, device)
+            g = self._build(store, Bb, extents, attn, zero_aux, queries, steer, device)
             self.graphs[key] = g
         g.tokens[:B] = tokens
         g.tokens[B:] = 0
@@ -116,6 +109,7 @@ class GraphStep:
         if steer is not None:
             scale = torch.zeros(Bb, dtype=steer[2].dtype, device=device)
             vector = torch.zeros_like(steer[1], device=device)
+
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 

@@ -100,20 +100,11 @@ class FixedStep:
         record this step's queries in; `accumulate`: add the attention each entry receives into store.aux["attn"];
         `steer`: (layer, vector [E], scale [B]) added at that layer's input. Returns the final hidden [B, E]."""
         B = tokens.shape[0]
-        host = store.lengths[:, :B]
-        # Per layer, as the HF step reads it: the longest row's entries plus the new one (layers may hold different
-        # counts, e.g. PyramidKV's, in a store of one capacity).
-        extents = [int(n) + 1 for n in host.amax(dim=1).tolist()]
-        if max(extents) > store.capacities[0]:  # as KVStore.append: never an index past the slot
-            raise RuntimeError(f"KV slot overflow: need {max(extents)} entries, capacity {store.capacities[0]}")
-        if self.bucket_keys:
-            extents = [min(store.capacities[0], key_bucket(e)) for e in extents]
-        lengths = to_device(host, tokens.device)  # no host sync on CUDA (pinned); on a CPU the same tensor
+        extents, attn, zero_aux = self.layout(store, B, accumulate)
+        lengths = to_device(store.lengths[:, :B], tokens.device)  # no host sync on CUDA (pinned); on a CPU the same
         q_ring = q_pos = None
         if queries is not None:
             q_ring, q_pos = queries.q, queries.qpos
-        attn = store.aux["attn"] if accumulate else None
-        zero_aux = [store.aux[n] for n in store.aux_names if not (accumulate and n == "attn")]
         args = (tokens, positions, lengths, extents, store.k, store.v, store.pos, attn, zero_aux, q_ring, q_pos, steer)
         if not self.compiled:
             return self._step(*args)
@@ -121,6 +112,19 @@ class FixedStep:
         # must not become a guard that the next batch size fails.
         with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             return self._step(*args)
+
+    def layout(self, store: Any, B: int, accumulate: bool) -> tuple[list[int], list | None, list]:
+        """For rows [0, B): each layer's key extent (as the HF step reads it: the longest row's entries plus the
+        new one; layers may hold different counts, e.g. PyramidKV's, in a store of one capacity; `bucket_keys`
+        rounds it up), H2O's accumulators (when `accumulate`) and the other aux buffers the step zeroes."""
+        extents = [int(n) + 1 for n in store.lengths[:, :B].amax(dim=1).tolist()]
+        if max(extents) > store.capacities[0]:  # as KVStore.append: never an index past the slot
+            raise RuntimeError(f"KV slot overflow: need {max(extents)} entries, capacity {store.capacities[0]}")
+        if self.bucket_keys:
+            extents = [min(store.capacities[0], key_bucket(e)) for e in extents]
+        attn = store.aux["attn"] if accumulate else None
+        zero_aux = [store.aux[n] for n in store.aux_names if not (accumulate and n == "attn")]
+        return extents, attn, zero_aux
 
     def _step(self, tokens, positions, lengths, extents: list[int], k_store: list, v_store: list, pos_store: list,
               attn: list | None, zero_aux: list, q_ring: torch.Tensor | None, q_pos: Any,

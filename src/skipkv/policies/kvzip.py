@@ -150,7 +150,7 @@ def _fingerprint(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor
                  inputs: list[list[int]]) -> tuple:
     """What the scores depend on: the model object, the reconstruction inputs (they hold the whole prompt), where
     they start, and the cached entries (their shapes and sums: another model's or weights' entries differ)."""
-    sums = tuple(float(t.double().sum()) for t in (*keys, *values))
+    sums = tuple(float(t.sum(dtype=torch.float64)) for t in (*keys, *values))
     return (id(model), start, tuple(map(tuple, inputs)), tuple(k.shape for k in keys), sums)
 
 
