@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from skipkv import SamplingParams, make_policy
 from skipkv.config import EngineConfig
 from skipkv.engine import Engine
-from skipkv.kernels import STEP_ENV, cuda_sdpa_backends, sdpa_context
+from skipkv.kernels import cuda_sdpa_backends
 from skipkv.models import load_model
 
 MODELS = {"7b": "random:qwen2:7b", "tiny": "random:qwen2"}
@@ -112,16 +111,16 @@ def prompt_ids(bundle, n: int = 600) -> list[int]:
 
 
 def engine_case(bundle, policy: str, batch: int, steps: int, out: Path, kind: str = "hf") -> dict:
-    """The engine's decode step of kind `kind` (SKIPKV_DECODE_STEP: hf, eager, graph). Also records the greedy
+    """The engine's decode step of kind `kind` (plan.with_step: hf, eager, graph). Also records the greedy
     tokens of the timed steps' first row and the first decode step's time and memory (where a graph step captures
     its first graph: engine/graphs.py)."""
     kw = {"budget": 512, "window": 8, "interval": 128} if policy != "full" else {}
-    previous = os.environ.get(STEP_ENV)
-    os.environ[STEP_ENV] = kind
+    loaded = bundle.plan
+    bundle.plan = loaded.with_step(kind)
     try:
         eng = Engine(bundle, make_policy(policy, **kw), EngineConfig(batch_size=batch))
     finally:
-        os.environ.pop(STEP_ENV) if previous is None else os.environ.__setitem__(STEP_ENV, previous)
+        bundle.plan = loaded
     dev = bundle.device
     try:
         prompt = prompt_ids(bundle)  # 600 tokens: over rkv's budget, so it compresses at prefill
@@ -193,7 +192,7 @@ def main() -> int:
     backends, why = cuda_sdpa_backends()
     report["engine_sdpa_backends"] = {"backends": [b.name for b in backends], "reason": why}
     if dev.type == "cuda" and backends:  # transformers under the engine's SDPA backends: the like-for-like reference
-        with sdpa_context(dev):
+        with bundle.plan.sdpa_context():
             name = "transformers_b1_engine_backends"
             report[name] = hf_case(bundle, args.steps, out, name)
         save()

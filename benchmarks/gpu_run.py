@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -34,7 +33,7 @@ from skipkv import SamplingParams, generate, make_policy
 from skipkv.bench.throughput import Workload, make_workload, run_bench, run_engine, run_hf
 from skipkv.config import EngineConfig, parse_bytes
 from skipkv.engine import Engine, encode_prompt
-from skipkv.kernels import STEP_ENV, cuda_sdpa_backends, sdpa_context
+from skipkv.kernels import cuda_sdpa_backends
 from skipkv.models import load_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived a", "2 + 2 =",
@@ -60,7 +59,7 @@ def check_exact(device: str, big) -> dict:
     mine = generate(big, PROMPTS[1:2], SamplingParams(max_new_tokens=32, ignore_eos=True))[0].token_ids
     # transformers under the SDPA backends the engine runs (cuDNN excluded on CUDA): the like-for-like reference;
     # under torch's own pick (cuDNN) a random-weight model's near-tied logits flipped the very first token
-    with sdpa_context(big.device):
+    with big.plan.sdpa_context():
         ref = hf_greedy(big, PROMPTS[1], 32)
     agree = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), len(ref))
     return {"tiny_fp64_full_equals_hf_greedy": exact, "big_bf16_greedy_tokens_agreeing_of_32": agree,
@@ -72,17 +71,15 @@ def replayed_equals_eager(device: str) -> dict:
     model in fp32: the same greedy tokens, per policy (ragged rows, batch 4, compression for rkv)."""
     tiny = load_model("random:qwen2", dtype="fp32", device=device)
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    out, previous = {}, os.environ.get(STEP_ENV)
+    out, loaded = {}, tiny.plan
     for policy in ("full", "rkv"):
         tokens = {}
         for kind in ("eager", "graph"):
-            os.environ[STEP_ENV] = kind
-            try:
-                got = generate(tiny, PROMPTS, sp, make_policy(policy, **({"budget": 16} if policy == "rkv" else {})),
-                               EngineConfig(batch_size=4))
-            finally:
-                os.environ.pop(STEP_ENV) if previous is None else os.environ.__setitem__(STEP_ENV, previous)
+            tiny.plan = loaded.with_step(kind)
+            got = generate(tiny, PROMPTS, sp, make_policy(policy, **({"budget": 16} if policy == "rkv" else {})),
+                           EngineConfig(batch_size=4))
             tokens[kind] = [r.token_ids for r in got]
+        tiny.plan = loaded
         out[f"tiny_fp32_{policy}_graph_equals_eager"] = tokens["graph"] == tokens["eager"]
     return out
 
@@ -121,7 +118,7 @@ def speed(bundle, size: str) -> list[dict]:
         short = Workload("warmup", work.prompts, [SamplingParams(max_new_tokens=8, ignore_eos=True)] * b)
         run_engine(bundle, make_policy("full"), short, EngineConfig(batch_size=b), "warmup")
         run_hf(bundle, short, b)
-        with sdpa_context(bundle.device):
+        with bundle.plan.sdpa_context():
             run_hf(bundle, short, b)
         eng = run_engine(bundle, make_policy("full"), work, EngineConfig(batch_size=b), "full")
         hf = run_hf(bundle, work, b)
@@ -129,7 +126,7 @@ def speed(bundle, size: str) -> list[dict]:
                "engine_over_hf": eng.tokens_per_s / hf.tokens_per_s}
         backends = cuda_sdpa_backends()[0] if bundle.device.type == "cuda" else ()
         if backends:  # transformers under the engine's SDPA backends too (torch's own pick is cuDNN on Hopper)
-            with sdpa_context(bundle.device):
+            with bundle.plan.sdpa_context():
                 row["hf_engine_backends_tokens_per_s"] = run_hf(bundle, work, b).tokens_per_s
             row["engine_over_hf_engine_backends"] = eng.tokens_per_s / row["hf_engine_backends_tokens_per_s"]
         rows.append(row)

@@ -41,7 +41,7 @@ def pair64():
 def engines(monkeypatch, bundles, policy, cfg, kinds=("hf", "eager")) -> list[Engine]:
     out = []
     for bundle, kind in zip(bundles, kinds):
-        monkeypatch.setenv("SKIPKV_DECODE_STEP", kind)
+        monkeypatch.setattr(bundle, "plan", bundle.plan.with_step(kind))
         out.append(Engine(bundle, policy, cfg))
     return out
 
@@ -123,7 +123,7 @@ def test_fixed_step_applies_steering_as_the_hook_does(monkeypatch, pair32):
         for eng in (a, b):
             eng.runner.steering.remove()
             eng.close()
-    monkeypatch.setenv("SKIPKV_DECODE_STEP", "eager")
+    monkeypatch.setattr(pair32[1], "plan", pair32[1].plan.with_step("eager"))
     alone = generate(pair32[1], PROMPTS[:3], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 6, 12)],
                      make_policy("full"), EngineConfig(batch_size=3))
     assert [r.token_ids for r in alone] != [steered[r.request_id].token_ids for r in alone]
@@ -167,7 +167,7 @@ def test_an_entry_past_the_capacity_is_refused_not_written(pair32):
         eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
         eng.step()
         store = eng.runner.store
-        step = FixedStep(pair32[0].model, pv_in_model_dtype=True)
+        step = FixedStep(pair32[0].model, pair32[0].plan)
         with torch.inference_mode():  # the engine's tensors are inference tensors
             store.lengths[:, 0] = store.capacities[0]  # every entry taken
             before = store.k[0].clone()
@@ -226,11 +226,11 @@ def test_decode_step_is_compiled_where_measured_faster(monkeypatch, flags, threa
 def test_enforce_eager_keeps_the_step_uncompiled(monkeypatch, pair32):
     """EngineConfig.enforce_eager (`--enforce-eager`) turns a compiled choice into the eager fixed step, and leaves
     the other choices as they are."""
-    monkeypatch.setenv("SKIPKV_DECODE_STEP", "compiled")
+    monkeypatch.setattr(pair32[0], "plan", pair32[0].plan.with_step("compiled"))
     with Engine(pair32[0], make_policy("full"), EngineConfig(enforce_eager=True)) as eng:
         assert eng.runner.fixed is not None and not eng.runner.fixed.compiled
     with Engine(pair32[0], make_policy("full"), EngineConfig()) as eng:
         assert eng.runner.fixed is not None and eng.runner.fixed.compiled
-    monkeypatch.setenv("SKIPKV_DECODE_STEP", "hf")
+    monkeypatch.setattr(pair32[0], "plan", pair32[0].plan.with_step("hf"))
     with Engine(pair32[0], make_policy("full"), EngineConfig(enforce_eager=True)) as eng:
         assert eng.runner.fixed is None

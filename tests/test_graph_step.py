@@ -91,7 +91,7 @@ def test_padding_rows_over_a_prefilling_slot_change_nothing(monkeypatch, pair64,
 
 
 def test_graphs_are_reused_within_a_bucket_and_dropped_with_the_store(monkeypatch, pair64):
-    monkeypatch.setenv("SKIPKV_DECODE_STEP", "graph")
+    monkeypatch.setattr(pair64[0], "plan", pair64[0].plan.with_step("graph"))
     eng = Engine(pair64[0], make_policy("full"), EngineConfig(batch_size=2))
     try:
         for p in PROMPTS[:2]:

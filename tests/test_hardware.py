@@ -3,6 +3,7 @@ elsewhere, and every JSON that reports figures says what was chosen and why. The
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from skipkv import hardware, kernels
 from skipkv.cli import main
 from skipkv.errors import SkipKVError
 from skipkv.models import load_model
+from skipkv.plan import Choice, KernelPlan
 
 
 def fake_cpu(monkeypatch, *, avx512_bf16: bool | None, amx: bool | None) -> None:
@@ -125,10 +127,12 @@ def test_cuda_sdpa_excludes_cudnn_unless_asked(monkeypatch):
     monkeypatch.delenv(kernels.CUDNN_SDPA_ENV, raising=False)
     backends, why = kernels.cuda_sdpa_backends()
     assert SDPBackend.CUDNN_ATTENTION not in backends and SDPBackend.MATH in backends and "cuDNN" in why
-    with kernels.sdpa_context("cuda"):  # enters without a GPU: it only sets torch's backend flags
+    cuda = KernelPlan.resolve(torch.bfloat16, "cuda")
+    assert cuda.record()["sdpa_cuda"]["reason"] == why
+    with cuda.sdpa_context():  # enters without a GPU: it only sets torch's backend flags
         assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored on exit
-    with kernels.sdpa_context("cpu"):
+    with KernelPlan.resolve(torch.bfloat16, "cpu").sdpa_context():
         assert torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setenv(kernels.CUDNN_SDPA_ENV, "1")
     assert kernels.cuda_sdpa_backends()[0] == ()  # torch's own choice
@@ -145,8 +149,9 @@ def test_bf16_decode_runs_the_chosen_kernel(monkeypatch, use_sdpa):
     from skipkv import SamplingParams, generate, make_policy
     from skipkv.attention import F as attn_F
 
-    bundle = load_model("random:qwen2", dtype="bf16")
     monkeypatch.setenv(kernels.SDPA_ENV, use_sdpa)
+    kernels._decode_attention.cache_clear()
+    bundle = load_model("random:qwen2", dtype="bf16")  # the plan is resolved at load: after the switch
     calls = []
     real = attn_F.scaled_dot_product_attention
 
@@ -194,8 +199,8 @@ def test_grouped_bf16_attention_multiplies_p_v_in_the_chosen_dtype(monkeypatch, 
     seen = []
     real = attn._probs_times_values
 
-    def spy(probs, value, room=None):
-        out = real(probs, value, room)  # over key buckets where the probe allows: the bits must not change
+    def spy(probs, value, plan, room=None):
+        out = real(probs, value, plan, room)  # over key buckets where the probe allows: the bits must not change
         if value.dtype == torch.bfloat16:
             rounded = torch.matmul(probs.to(torch.bfloat16), value)
             exact = torch.matmul(probs, value.float()).to(torch.bfloat16)
@@ -271,15 +276,15 @@ def test_bf16_p_v_runs_over_key_buckets(monkeypatch, policy):
             seen[-1] = seen[-1][:2] + (b.shape[-2],)
         return real_matmul(a, b, *args, **kw)
 
-    def pv(probs, value, room=None):
+    def pv(probs, value, plan, room=None):
         seen.append((value.shape[-2], room.shape[-2], -1))
-        return real_pv(probs, value, room)
+        return real_pv(probs, value, plan, room)
 
     monkeypatch.setattr(attn.torch, "matmul", matmul)
     monkeypatch.setattr(attn, "_probs_times_values", pv)
     tokens = {}
     for on in ("1", "0"):
-        monkeypatch.setenv(kernels.BUCKET_ENV, on)
+        monkeypatch.setattr(bundle, "plan", dataclasses.replace(bundle.plan, pv_buckets=Choice(on == "1", "test")))
         seen.clear()
         out = generate(bundle, ["The quick brown fox", "Once upon a time, in a land far away, there lived a " * 6],
                        SamplingParams(max_new_tokens=40, ignore_eos=True),
@@ -413,43 +418,3 @@ def test_decode_attention_by_dtype(monkeypatch):
             assert kernels.decode_attention(torch.bfloat16)[0] == kind
     finally:
         kernels._decode_attention.cache_clear()
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_kernel_plan_is_what_the_model_runs(monkeypatch, tmp_path, dtype):
-    """The plan of a loaded model (and an eval run's config) names its own linears, decode attention, p.V and decode
-    step: packed fp32 linears and the compiled step where those are forced, eager under enforce_eager; the engine
-    built on that bundle runs the step the plan names."""
-    from skipkv import make_policy
-    from skipkv.config import EngineConfig
-    from skipkv.engine import Engine
-    from skipkv.engine.step import FixedStep
-
-    monkeypatch.setenv(kernels.PACK_ENV, "1")
-    monkeypatch.setenv(kernels.STEP_ENV, "compiled")
-    monkeypatch.setenv(kernels.SDPA_ENV, "0")
-    kernels._decode_attention.cache_clear()
-    try:
-        bundle = load_model("random:qwen2", dtype=dtype)
-        plan = hardware.kernel_plan(bundle)
-        assert plan["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype] and plan["device"] == "cpu"
-        assert plan["linears"] == bundle.packed_linears != "" and plan["decode_attention"]["kernel"] == "grouped"
-        assert dtype != "fp32" or "prepacked" in plan["linears"]  # bf16 here: prepacked or upcast, by the CPU
-        assert plan["decode_pv"]["dtype"] == "model" and plan["decode_step"]["step"] == "compiled"
-        assert hardware.kernel_plan(bundle, enforce_eager=True)["decode_step"]["step"] == "eager"
-        eng = Engine(bundle, make_policy("full"), EngineConfig(enforce_eager=True))
-        try:
-            fixed = eng.runner.fixed
-            assert isinstance(fixed, FixedStep) and not fixed.compiled
-        finally:
-            eng.close()
-        assert hardware.environment(bundle=bundle)["kernel_plan"] == plan
-        assert "kernel_plan" not in hardware.environment()
-    finally:
-        kernels._decode_attention.cache_clear()
-    out = tmp_path / "run"
-    monkeypatch.setenv(kernels.STEP_ENV, "eager")
-    assert main(["eval", "--model", "random:qwen2", "--dtype", dtype, "--dataset", "gsm8k", "--limit", "1",
-                 "--max-tokens", "4", "--out", str(out)]) == 0
-    recorded = json.loads((out / "config.json").read_text())["environment"]["kernel_plan"]
-    assert recorded["decode_step"]["step"] == "eager" and recorded["linears"] == plan["linears"]

@@ -227,8 +227,8 @@ def test_bench_decode_compares_head_split_and_uniform_at_equal_kept_tokens(tmp_p
 def test_every_head_stays_within_its_planned_bounds(sharp, knobs, chunk):
     """What each (layer, kv head) holds after every prefill chunk never exceeds what memory.py planned for it
     (the per-unit bounds admission relies on), and some head holds more than the per-head budget."""
-    from skipkv.attention import attention_backend
     from skipkv.engine import make_requests
+    from skipkv.models.patches import routed
 
     policy = policy_of(knobs)
     rng = random.Random(3)
@@ -236,7 +236,7 @@ def test_every_head_stays_within_its_planned_bounds(sharp, knobs, chunk):
     reqs = make_requests(sharp, prompts, SamplingParams(max_new_tokens=3, ignore_eos=True), policy)
     runner = ModelRunner(sharp, policy, num_slots=2, prefill_chunk=chunk)
     over = False
-    with attention_backend(sharp.model), torch.inference_mode():
+    with routed(sharp.model), torch.inference_mode():
         runner.start_cohort(reqs)
         step, done = 0, []
         while not done:

@@ -163,16 +163,16 @@ def test_batch_equals_singles_sharp(sharp, name, knobs):
 
 
 def test_laprox_keeps_the_model_wide_budget_and_protected_tokens(sharp):
-    from skipkv.attention import attention_backend
     from skipkv.engine import make_requests
     from skipkv.engine.runner import ModelRunner
+    from skipkv.models.patches import routed
 
     policy = make_policy("laprox", budget_ratio=0.2, prefill_window=8, sink=3, min_layer_tokens=15)
     prompts = ragged_prompts(sharp.model.config.vocab_size, (150, 97))
     reqs = make_requests(sharp, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), policy)
     runner = ModelRunner(sharp, policy, num_slots=2)
     store = runner.store
-    with attention_backend(sharp.model), torch.inference_mode():
+    with routed(sharp.model), torch.inference_mode():
         runner.prefill(reqs)
     L = store.num_layers
     for s, r in enumerate(reqs):
@@ -270,16 +270,16 @@ def test_pyramid_layer_budgets_and_real_lengths(sharp):
 # ------------------------------------------------------------------------------------------- fidelity bench
 def test_fidelity_layer_output_matches_the_model(tiny):
     """`layer_output` over the full store reproduces what each attention module returned for the window."""
-    from skipkv.attention import attention_backend
     from skipkv.bench.fidelity import layer_output
     from skipkv.engine.shared import prefill_full
+    from skipkv.models.patches import routed
 
     ids = ragged_prompts(tiny.model.config.vocab_size, (60,))[0]
     seen = {}
     hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, l=l: seen.__setitem__(l, out[0][0, -8:].clone()))
              for l, layer in enumerate(tiny.model.model.layers)]
     try:
-        with attention_backend(tiny.model), torch.inference_mode():
+        with routed(tiny.model), torch.inference_mode():
             run = prefill_full(tiny, ids, 8)[0]
     finally:
         for h in hooks:
@@ -459,16 +459,16 @@ VARIANTS = [dict(scoring=s, allocation=a, kernel=k, granularity=g) for s in ("ou
 def ablation_kept(sharp):
     """Per variant, the positions each layer kept after the engine's prefill, and the naive pipeline's choice
     (naive scores from the full prefill's window queries and keys, naive pooling, normalisation and top-k)."""
-    from skipkv.attention import attention_backend
     from skipkv.engine import make_requests
     from skipkv.engine.runner import ModelRunner
     from skipkv.engine.shared import prefill_full
+    from skipkv.models.patches import routed
 
     ratio, window, sink = 0.2, 8, 2
     # seed 1: every model-wide variant splits the two layers unevenly, so allocation=layer keeps other tokens
     ids = ragged_prompts(sharp.model.config.vocab_size, (120,), seed=1)[0]
     P, layers = len(ids), sharp.model.model.layers
-    with attention_backend(sharp.model), torch.inference_mode():
+    with routed(sharp.model), torch.inference_mode():
         full = prefill_full(sharp, ids, window)[0]
         raw = {"output": [], "attention": []}
         for l, layer in enumerate(layers):
@@ -545,8 +545,8 @@ def _full_runner_after(bundle, ids, steps, forced=None):
 def test_decode_queries_are_the_answers_own(tiny):
     """The decode-mode reference is what each attention module returned at each step of the greedy answer, and
     the tokens fed are the full cache's own greedy tokens."""
-    from skipkv.attention import attention_backend
     from skipkv.bench.fidelity import layer_output
+    from skipkv.models.patches import routed
 
     ids = ragged_prompts(tiny.model.config.vocab_size, (50,), seed=4)[0]
     seen: dict[int, list] = {}
@@ -554,7 +554,7 @@ def test_decode_queries_are_the_answers_own(tiny):
         lambda m, a, out, l=l: seen.setdefault(l, []).append(out[0][0, -1].clone()))
         for l, layer in enumerate(tiny.model.model.layers)]
     try:
-        with attention_backend(tiny.model), torch.inference_mode():
+        with routed(tiny.model), torch.inference_mode():
             full, req = _full_runner_after(tiny, ids, 5)
     finally:
         for h in hooks:
@@ -570,11 +570,11 @@ def test_decode_queries_are_the_answers_own(tiny):
 
 def test_heldout_queries_are_the_prompts_own(tiny):
     """Held-out tokens fed one at a time give the queries a prefill of the whole prompt gives its last tokens."""
-    from skipkv.attention import attention_backend
     from skipkv.engine.shared import prefill_full
+    from skipkv.models.patches import routed
 
     ids = ragged_prompts(tiny.model.config.vocab_size, (60,), seed=5)[0]
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         whole = prefill_full(tiny, ids, 8)[0]
         fed, _ = _full_runner_after(tiny, ids[:52], 8, ids[52:])
     slot = torch.tensor([0])

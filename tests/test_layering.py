@@ -23,8 +23,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "skipkv"
 # DESIGN.md "Layering", bottom up; within a layer, a package may use those listed before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 1. pure foundations: no model run, no policy
-    ("errors", "files", "version", "config", "registry", "kernels", "hardware", "outputs", "models", "cache", "scoring",
-     "sentences"),
+    ("errors", "files", "version", "config", "registry", "kernels", "hardware", "plan", "outputs", "models", "cache",
+     "scoring", "sentences"),
     # 2. what one forward observes and changes: the attention backend, the steering hook and gate, the policies
     ("attention", "steering", "policies"),
     # 3. requests, scheduler, KV memory, the step loop

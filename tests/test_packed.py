@@ -40,7 +40,7 @@ def test_packed_linear_is_bit_identical(bias, lead):
 def test_bf16_models_pack_and_generate_the_same_tokens(monkeypatch):
     monkeypatch.delenv(kernels.PACK_ENV, raising=False)
     packed = load_model("random:qwen2", dtype="bf16")
-    assert "prepacked" in packed.packed_linears
+    assert "prepacked" in packed.plan.linears.reason
     layer = packed.model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, FusedLinear) and isinstance(layer.mlp.gate_proj, LinearPart)
     assert isinstance(layer.self_attn.o_proj, PackedLinear)
@@ -62,7 +62,7 @@ def test_only_bf16_on_a_cpu_packs(monkeypatch):
     assert kernels.packed_linears(torch.float32, "cpu")[0] is False
     assert kernels.packed_linears(torch.float64, "cpu")[0] is False
     assert kernels.packed_linears(torch.bfloat16, "cuda")[0] is False
-    assert "prepacked" not in load_model("random:qwen2", dtype="fp64").packed_linears
+    assert "prepacked" not in load_model("random:qwen2", dtype="fp64").plan.linears.reason
     monkeypatch.setenv(kernels.PACK_ENV, "0")
     assert kernels.packed_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_PACKED_LINEARS=0 (overridden)")
     monkeypatch.setenv(kernels.PACK_ENV, "on")
@@ -164,7 +164,7 @@ def test_fused_projections_replace_the_layers_linears_and_keep_the_logits(monkey
     monkeypatch.setenv(kernels.PACK_ENV, "1")
     packed = load_model("random:qwen2", dtype="fp32")
     layers = packed.model.model.layers
-    assert "fused" in packed.packed_linears and fuse_projections(packed.model) == 0  # nothing left to fuse
+    assert "fused" in packed.plan.linears.reason and fuse_projections(packed.model) == 0  # nothing left to fuse
     assert all(isinstance(layer.self_attn.qkv_proj, FusedLinear) and isinstance(layer.mlp.gate_up_proj, FusedLinear)
                for layer in layers)
     assert layers[0].self_attn.qkv_proj.splits == [64, 32, 32]
@@ -187,7 +187,7 @@ def test_fp32_packs_when_asked_and_computes_the_same_linear(monkeypatch):
         x = torch.randn(*lead, 96)
         torch.testing.assert_close(PackedLinear(lin, keep_dense=False)(x), lin(x), rtol=1e-5, atol=1e-5)
     bundle = load_model("random:qwen2", dtype="fp32")
-    assert "prepacked" in bundle.packed_linears
+    assert "prepacked" in bundle.plan.linears.reason
     assert isinstance(bundle.model.model.layers[0].mlp.down_proj, PackedLinear)
     assert bundle.model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32  # LaProx reads it
     monkeypatch.setenv(kernels.PACK_ENV, "0")
@@ -231,7 +231,7 @@ def test_bf16_models_upcast_on_request_and_compute_the_same_function(monkeypatch
     assert isinstance(dense.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
     monkeypatch.setenv(kernels.UPCAST_ENV, "1")
     up = load_model("random:qwen2", dtype="bf16")
-    assert "upcast to fp32" in up.packed_linears and up.dtype == torch.bfloat16
+    assert "upcast to fp32" in up.plan.linears.reason and up.dtype == torch.bfloat16
     layer = up.model.model.layers[0]
     assert isinstance(layer.mlp.gate_proj, UpcastLinear) and not hasattr(layer.mlp.gate_proj, "weight")
     assert layer.self_attn.o_proj.weight.dtype == torch.bfloat16  # LaProx reads it
@@ -252,7 +252,7 @@ def test_only_bf16_on_a_cpu_without_onednn_bf16_upcasts(monkeypatch):
     assert kernels.upcast_linears(torch.float32, "cpu")[0] is False
     assert kernels.upcast_linears(torch.bfloat16, "cuda")[0] is False
     assert kernels.upcast_linears(torch.bfloat16, "cpu")[0] is (not SUPPORTED)
-    assert "upcast" not in load_model("random:qwen2", dtype="fp32").packed_linears
+    assert "upcast" not in load_model("random:qwen2", dtype="fp32").plan.linears.reason
     monkeypatch.setenv(kernels.UPCAST_ENV, "0")
     assert kernels.upcast_linears(torch.bfloat16, "cpu") == (False, "SKIPKV_UPCAST_LINEARS=0 (overridden)")
     monkeypatch.setenv(kernels.UPCAST_ENV, "1")
@@ -290,7 +290,7 @@ def test_fp32_models_transpose_on_request_and_compute_the_same_function(monkeypa
     assert isinstance(plain.model.model.layers[0].mlp.gate_proj, torch.nn.Linear)
     monkeypatch.setenv(kernels.TRANSPOSE_ENV, "1")
     tr = load_model("random:qwen2:sharp", dtype="fp32")
-    assert "stored (in, out)" in tr.packed_linears and tr.dtype == torch.float32
+    assert "stored (in, out)" in tr.plan.linears.reason and tr.dtype == torch.float32
     layer = tr.model.model.layers[0]
     assert isinstance(layer.mlp.gate_proj, TransposedLinear) and not hasattr(layer.mlp.gate_proj, "weight")
     assert not isinstance(layer.mlp.gate_proj, UpcastLinear)
@@ -334,12 +334,12 @@ def test_only_fp32_on_an_avx2_cpu_without_avx512_transposes(monkeypatch):
     assert kernels.transposed_linears(torch.float64, "cpu")[0] is False
     assert kernels.transposed_linears(torch.bfloat16, "cpu")[0] is False
     assert kernels.transposed_linears(torch.float32, "cuda")[0] is False
-    assert "stored (in, out)" in load_model("random:qwen2", dtype="fp32").packed_linears
-    assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp64").packed_linears
+    assert "stored (in, out)" in load_model("random:qwen2", dtype="fp32").plan.linears.reason
+    assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp64").plan.linears.reason
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "avx512f"})
     assert kernels.transposed_linears(torch.float32, "cpu") == (
         False, "CPU with AVX512: the transposed layout was measured on AVX2-only CPUs only")
-    assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp32").packed_linears
+    assert "stored (in, out)" not in load_model("random:qwen2", dtype="fp32").plan.linears.reason
     monkeypatch.setattr(kernels, "cpu_flags", lambda: set())
     assert kernels.transposed_linears(torch.float32, "cpu")[0] is False
     monkeypatch.setenv(kernels.TRANSPOSE_ENV, "1")

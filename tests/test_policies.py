@@ -7,10 +7,10 @@ import torch
 
 from conftest import PROMPTS, resolve_contract_knobs
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
+from skipkv.models.patches import routed
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Policy
 
@@ -51,7 +51,7 @@ def test_budget_respected_and_protected_tokens_survive(tiny, name):
     reqs = make_requests(tiny, PROMPTS[:2], sp, policy)  # 4 and 51 tokens: one starts over budget
     runner = ModelRunner(tiny, policy, num_slots=2)
     store = runner.store
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
         for _ in range(29):
@@ -118,7 +118,7 @@ def test_h2o_accumulates_attention_over_steps(tiny):
     policy = make_policy("h2o", budget=64, window=4, interval=8)
     reqs = make_requests(tiny, PROMPTS[:1], SamplingParams(max_new_tokens=5, ignore_eos=True), policy)
     runner = ModelRunner(tiny, policy, num_slots=1)
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
         for _ in range(3):
@@ -144,7 +144,7 @@ def test_h2o_prefill_accumulation_equals_the_reference(tiny, monkeypatch, block_
     reqs = make_requests(tiny, PROMPTS[:2], SamplingParams(max_new_tokens=1, ignore_eos=True), policy)
     assert reqs[0].prompt_len != reqs[1].prompt_len
     runner = ModelRunner(tiny, policy, num_slots=2)
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         runner.prefill(reqs)
     for slot, r in enumerate(reqs):
         P = r.prompt_len
@@ -157,7 +157,7 @@ def test_streaming_llm_keeps_sinks_and_newest(tiny):
     policy = make_policy("streaming_llm", budget=12, sink=4, window=0, interval=4)
     reqs = make_requests(tiny, PROMPTS[1:2], SamplingParams(max_new_tokens=10, ignore_eos=True), policy)
     runner = ModelRunner(tiny, policy, num_slots=1)
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
     L = reqs[0].prompt_len
@@ -179,7 +179,7 @@ def test_protect_prompt_keeps_the_whole_prompt(tiny, name):
     runner = ModelRunner(tiny, policy, num_slots=2)
     store = runner.store
     uniform = name in UNIFORM
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
         assert all(r.compressions == 0 for r in reqs)

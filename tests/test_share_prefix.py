@@ -8,11 +8,11 @@ import torch
 
 from conftest import assert_same_entries
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
 from skipkv.engine import Engine, encode_prompt, make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.models import load_model
+from skipkv.models.patches import routed
 
 PREFIX = ("You are a careful assistant. Think step by step, check every step, and give the answer at the end. "
           "Example: 3 apples and 4 apples make 7 apples. ")
@@ -78,7 +78,7 @@ def test_every_row_holds_what_chunked_prefill_at_the_prefix_writes(sharp, name):
         runner = ModelRunner(sharp, policy, share_prefix=share, prefill_chunk=chunk)
         reqs = make_requests(sharp, [encode_prompt(sharp.tokenizer, p) for p in PROMPTS],
                              SamplingParams(max_new_tokens=4), policy)
-        with attention_backend(sharp.model), torch.inference_mode():
+        with routed(sharp.model), torch.inference_mode():
             runner.prefill(reqs)
         return runner
 
@@ -140,7 +140,7 @@ def test_grouped_attention_in_row_blocks_is_bit_identical(monkeypatch, dtype):
         runner = ModelRunner(bundle, policy, share_prefix=8)
         reqs = make_requests(bundle, [encode_prompt(bundle.tokenizer, p) for p in PROMPTS],
                              SamplingParams(max_new_tokens=4), policy)
-        with attention_backend(bundle.model), torch.inference_mode():
+        with routed(bundle.model), torch.inference_mode():
             runner.prefill(reqs)
         store = runner.store
         rows = len(PROMPTS)

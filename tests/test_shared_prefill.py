@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from skipkv import SamplingParams, generate, load_model, make_policy
-from skipkv.attention import QueryBuffer, attention_backend
+from skipkv.attention import QueryBuffer
 from skipkv.config import EngineConfig
 from skipkv.engine.shared import branch, generate_shared, prefill_full, shares_prefill
 from skipkv.errors import SkipKVError
+from skipkv.models.patches import routed
 from skipkv.policies import parse_policy_spec
 
 # Prefill-only and decode-time compressors, per-layer and model-wide, pooled and not.
@@ -59,7 +60,7 @@ def test_branch_store_equals_the_policys_own_prefill():
     bundle = load_model("random:qwen2:sharp", dtype="fp64")
     ids = random.Random(3).choices(range(5, 250), k=300)
     sp = SamplingParams(max_new_tokens=1)
-    with attention_backend(bundle.model), torch.inference_mode():
+    with routed(bundle.model), torch.inference_mode():
         full = prefill_full(bundle, ids, 32, attn=True)[0]
         for policy in policies(60)[1:]:
             if not shares_prefill(policy, 32):  # expected_attention's 128 queries: not in this 32-query prefill

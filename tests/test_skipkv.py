@@ -11,11 +11,11 @@ import torch
 
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.models import load_model
+from skipkv.models.patches import routed
 from skipkv.models.random import byte_tokenizer
 from skipkv.policies.base import Observation
 from skipkv.sentences import SentenceTracker, TokenTables, flag_earlier, span_penalty
@@ -350,7 +350,7 @@ def test_flagged_sentences_are_evicted_first(sharp):
     reqs = make_requests(sharp, PROMPTS[1:3], SamplingParams(max_new_tokens=40, ignore_eos=True), policy)
     runner = ModelRunner(sharp, policy, num_slots=2)
     store, checked = runner.store, 0
-    with attention_backend(sharp.model), torch.inference_mode():
+    with routed(sharp.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
         for _ in range(39):
@@ -388,7 +388,7 @@ def test_protect_prompt_keeps_the_prompt_and_grows_capacity(tiny):
     P = reqs[0].prompt_len
     runner = ModelRunner(tiny, policy, num_slots=1)
     store = runner.store
-    with attention_backend(tiny.model), torch.inference_mode():
+    with routed(tiny.model), torch.inference_mode():
         for r, t in zip(reqs, runner.prefill(reqs)):
             r.output_ids.append(t)
         assert int(store.lengths[0, 0]) == P and reqs[0].compressions == 0  # nothing compressed at prefill

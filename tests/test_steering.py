@@ -10,13 +10,13 @@ import torch
 
 from conftest import PROMPTS
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.attention import attention_backend
 from skipkv.cli import main
 from skipkv.config import EngineConfig
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
 from skipkv.eval.steering import build_from_chains, nn_boundaries
+from skipkv.models.patches import routed
 from skipkv.sentences import TokenTables
 from skipkv.steering import SteeringFile, SteerState
 
@@ -51,7 +51,7 @@ def drive(bundle, policy, prompts: list[str], forced: list[list[int]], steer: bo
 
     handle = bundle.model.model.layers[LAYER].register_forward_pre_hook(record, with_kwargs=True)
     try:
-        with attention_backend(bundle.model), torch.inference_mode():
+        with routed(bundle.model), torch.inference_mode():
             runner.prefill(reqs)
             for r, f in zip(reqs, forced):
                 r.output_ids.append(f[0])

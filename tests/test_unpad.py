@@ -10,11 +10,11 @@ import torch
 
 from conftest import PROMPTS, assert_same_entries
 from skipkv import SamplingParams, generate, make_policy
-from skipkv.attention import attention_backend
 from skipkv.config import EngineConfig
 from skipkv.engine import encode_prompt, make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.models import load_model, unpad
+from skipkv.models.patches import ModelPatches, routed
 
 KNOBS = dict(budget=12, window=4, interval=6)
 POLICIES = {"full": {}, "rkv": KNOBS, "h2o": KNOBS, "snapkv": KNOBS | {"prefill_window": 8}, "skipkv": KNOBS,
@@ -54,7 +54,7 @@ def test_the_mlps_see_only_real_tokens(sharp):
             policy = make_policy("full")
             runner = ModelRunner(sharp, policy, unpad_prefill=on)
             reqs = make_requests(sharp, ids, SamplingParams(max_new_tokens=2), policy)
-            with attention_backend(sharp.model), torch.inference_mode():
+            with routed(sharp.model), torch.inference_mode():
                 runner.prefill(reqs)
             assert rows == [sum(map(len, ids)) if on else len(ids) * max(map(len, ids))] * len(sharp.model.model.layers)
     finally:
@@ -73,7 +73,7 @@ def test_unpadded_prefill_keeps_and_emits_what_the_padded_one_does(sharp, name):
         policy = make_policy(name, **POLICIES[name])
         runner = ModelRunner(sharp, policy, unpad_prefill=on)
         reqs = make_requests(sharp, ids, SamplingParams(max_new_tokens=4), policy)
-        with attention_backend(sharp.model), torch.inference_mode():
+        with routed(sharp.model), torch.inference_mode():
             runner.prefill(reqs)
         return runner
 
@@ -93,7 +93,8 @@ def test_unpadded_prefill_keeps_and_emits_what_the_padded_one_does(sharp, name):
 
 def test_install_is_idempotent_and_transparent_outside_the_context(sharp):
     layer = sharp.model.model.layers[0]
-    assert unpad.install(sharp.model) == unpad.install(sharp.model) == len(sharp.model.model.layers)
+    patches = ModelPatches(sharp.model)
+    assert patches.unpad_mlps() == patches.unpad_mlps() == len(sharp.model.model.layers)
     x = torch.randn(2, 5, sharp.model.config.hidden_size, dtype=torch.float64)
     want = layer.mlp.down_proj(layer.mlp.act_fn(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
     assert torch.equal(layer.mlp(x), want)
@@ -111,7 +112,7 @@ def test_a_deep_copy_of_an_installed_model_runs_its_own_weights(sharp):
     captured from the original would silently keep using the original's)."""
     import copy
 
-    unpad.install(sharp.model)
+    ModelPatches(sharp.model).unpad_mlps()
     clone = copy.deepcopy(sharp.model)
     mlp, twin = sharp.model.model.layers[0].mlp, clone.model.layers[0].mlp
     with torch.no_grad():

@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from skipkv import SamplingParams, make_policy
-from skipkv.attention import attention_backend
 from skipkv.bench.kept_overlap import overlap_row
 from skipkv.engine.engine import new_request
 from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
 from skipkv.hardware import environment
 from skipkv.models import load_model
+from skipkv.models.patches import routed
 from skipkv.scoring import GROUP_REDUCES
 
 HERE = Path(__file__).resolve().parent
@@ -116,7 +116,7 @@ def skipkv_kept(bundle, policy, ids: list[int]) -> list[list[list[int]]]:
     r = new_request(bundle, ids, SamplingParams(max_new_tokens=1, ignore_eos=True), policy, 0, frozenset(),
                     "overlap sequence")
     runner = ModelRunner(bundle, policy, num_slots=1)
-    with attention_backend(bundle.model), torch.inference_mode():
+    with routed(bundle.model), torch.inference_mode():
         runner.prefill([r])
     store = runner.store
     out = []

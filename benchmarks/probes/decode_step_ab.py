@@ -1,5 +1,5 @@
 """The decode step's kinds against each other, in one process on one model: the HF modules' step, the fixed-shape
-step eager, and the fixed-shape step compiled (engine/step.py, `SKIPKV_DECODE_STEP`), in rotating order.
+step eager, and the fixed-shape step compiled (engine/step.py, `plan.with_step`), in rotating order.
 
     python benchmarks/probes/decode_step_ab.py --batch 16 --kinds hf,eager,compiled [--model random:qwen2:0.5b]
 
@@ -11,7 +11,6 @@ prints ms per step. Answer recorded in docs/benchmarks.md ("The fixed-shape deco
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -32,10 +31,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     bundle = load_model(args.model, dtype="auto")
+    loaded = bundle.plan
     for rnd in range(args.rounds):
         kinds = args.kinds.split(",")
         for kind in kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]:
-            os.environ["SKIPKV_DECODE_STEP"] = kind
+            bundle.plan = loaded.with_step(kind)
             policy = make_policy("full") if args.policy == "full" else parse_policy_spec(args.policy)[1]
             eng = Engine(bundle, policy, EngineConfig(batch_size=args.batch))
             g = torch.Generator().manual_seed(1)

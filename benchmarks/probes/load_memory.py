@@ -29,7 +29,7 @@ bundle = load_model(sys.argv[1], dtype=sys.argv[2])
 gc.collect()
 print(json.dumps({"rss_mib": int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "load_seconds": time.perf_counter() - t, "linears": bundle.packed_linears}))
+                  "load_seconds": time.perf_counter() - t, "linears": bundle.plan.linears.reason}))
 """
 
 

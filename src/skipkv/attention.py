@@ -8,12 +8,11 @@ torch's causal SDPA; every other forward (decode steps, later prefill chunks) ru
 With a head-split store (cache/store.py) every kv head has its own length: each kv head attends with its group
 of query heads over its own unit, masked by that unit's lengths (`_head_split_attention`).
 
-    with attention_backend(model): model.model(..., cache=slot_cache, skipkv_ctx=ctx)
+    with patches.routed(model): model.model(..., cache=slot_cache, skipkv_ctx=ctx)    # models/patches.py
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +20,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from skipkv.cache.store import KVStore, to_device
-from skipkv.kernels import decode_attention, decode_pv, key_bucket, pv_buckets
-
-BACKEND = "skipkv"
+from skipkv.kernels import key_bucket
+from skipkv.models.patches import BACKEND
+from skipkv.plan import KernelPlan
 
 
 class QueryBuffer:
@@ -124,9 +123,18 @@ class StepContext:
     # KVzip (policies/kvzip.py): per layer, the most probability each key gets from any query head and query of
     # this forward, [B, H, K] (one tensor per block of rows), from the grouped attention's own softmax
     max_probs: dict[int, list[torch.Tensor]] | None = None
+    # the model's kernel plan (plan.py: bundle.plan): decode attention, p.V dtype, key buckets. None: the plan of
+    # this forward's dtype and device as skipkv.kernels resolves it now (a store driven outside an engine)
+    plan: KernelPlan | None = None
 
     _masks: dict = field(default_factory=dict)
     _rows: list | None = None
+
+    def kernels(self, query: torch.Tensor) -> KernelPlan:
+        """The plan this forward runs: `plan`, else (set once) the plan of the query's dtype and device."""
+        if self.plan is None:
+            self.plan = KernelPlan.resolve(query.dtype, query.device)
+        return self.plan
 
     def rows(self) -> list:
         """Each store layer's (unit's, if head-split) lengths of this forward's rows before it, as tuples."""
@@ -157,6 +165,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = module.layer_idx
     B, Hq, T, D = query.shape
     H, K = key.shape[1], key.shape[2]
+    plan = ctx.kernels(query)
     if ctx.queries is not None:
         ctx.queries.write(layer, ctx.start, query, ctx.positions, ctx.real)
     if ctx.store.head_split:
@@ -172,8 +181,7 @@ def skipkv_attention(module, query, key, value, attention_mask, scaling=None, dr
             _accumulate_causal(ctx, layer, query, key, scaling)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(layer, T, K, query.device)
-    fused = decode_attention(query.dtype, query.device)[0] == "sdpa"
-    if mask is None and not ctx.accumulate and ctx.max_probs is None and fused:
+    if mask is None and not ctx.accumulate and ctx.max_probs is None and plan.sdpa:
         # Every key visible to the one query of every row (batch 1, or rows of equal length), 16-bit: the very
         # call transformers' SDPA attention makes for such a step (GQA in the kernel, no mask), so it rounds as
         # transformers does; on CUDA and on CPUs with AMX it is also the faster one (kernels.decode_sdpa: on a
@@ -230,13 +238,15 @@ def _grouped_attention(ctx: StepContext, layer: int, query: torch.Tensor, key: t
         received = (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))  # [B, H, K]
         ctx.store.aux["attn"][layer][start:start + B, :, :K] += received
     room = ctx.store.v[layer][start:start + B]
-    return _probs_times_values(probs.view(B, H, G * T, K), value, room).view(B, Hq, T, D)
+    return _probs_times_values(probs.view(B, H, G * T, K), value, ctx.kernels(query), room).view(B, Hq, T, D)
 
 
-def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, room: torch.Tensor | None = None) -> torch.Tensor:
+def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, plan: KernelPlan,
+                        room: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 probabilities [.., M, K] x values [.., K, D] in the values' dtype. A 16-bit model's probabilities are
     rounded to its dtype and multiplied with the stored values as they are, as torch's fused CPU kernel does
-    (fp32 accumulation inside the gemm; kernels.decode_pv: `SKIPKV_DECODE_PV=fp32` converts the values instead).
+    (fp32 accumulation inside the gemm; plan.pv, kernels.decode_pv: `SKIPKV_DECODE_PV=fp32` converts the values
+    instead).
     fp32 and fp64 models multiply in their own dtype, exactly as before.
 
     `room`: the store rows `value` is the first K entries of ([.., capacity, D], same storage and strides). A 16-bit
@@ -245,12 +255,12 @@ def _probs_times_values(probs: torch.Tensor, value: torch.Tensor, room: torch.Te
     (the cache grows by one entry) and, where layers keep different counts (LaProx, PyramidKV, head-split), in every
     layer (kernels.pv_buckets: the costs, and the probe that turns it on only where the bits stay the same). The
     zero columns add exact zeros to every sum: the store is zero-filled and holds only finite values."""
-    if value.dtype in (torch.float32, torch.float64) or decode_pv()[0] == "fp32":
+    if value.dtype in (torch.float32, torch.float64) or plan.pv_fp32:
         return torch.matmul(probs, value.to(probs.dtype)).to(value.dtype)
     K = value.shape[-2]
     if (room is not None and value.device.type == "cpu" and room.data_ptr() == value.data_ptr()
             and room.stride() == value.stride()):
-        padded = min(key_bucket(K), room.shape[-2]) if pv_buckets(value.dtype)[0] else K
+        padded = min(key_bucket(K), room.shape[-2]) if plan.pv_buckets.value else K
         if padded > K:
             p = probs.new_zeros(*probs.shape[:-1], padded, dtype=value.dtype)
             p[..., :K] = probs
@@ -279,7 +289,8 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         return out.transpose(1, 2).contiguous(), None
     store, s0 = ctx.store, ctx.start
     scale = scaling if scaling is not None else D**-0.5
-    fused = decode_attention(query.dtype, query.device)[0] == "sdpa"
+    plan = ctx.kernels(query)
+    fused = plan.sdpa
     outs = []
     for h, u in enumerate(units):
         K = max(rows[u]) + T
@@ -295,7 +306,8 @@ def _head_split_attention(ctx: StepContext, layer: int, query: torch.Tensor, key
         if mask is not None:
             logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        outs.append(_probs_times_values(probs.view(B, 1, G * T, K), v, store.v[u][s0:s0 + B]).view(B, G, T, D))
+        pv = _probs_times_values(probs.view(B, 1, G * T, K), v, plan, store.v[u][s0:s0 + B])
+        outs.append(pv.view(B, G, T, D))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 
@@ -329,17 +341,5 @@ def _accumulate_causal(ctx: StepContext, layer: int, query: torch.Tensor, key: t
         acc[ctx.start:ctx.start + B, :, :i1] += (probs * real_q[:, None, None, :, None]).sum(dim=(2, 3))
 
 
-def register() -> None:
-    AttentionInterface.register(BACKEND, skipkv_attention)
-
-
-@contextlib.contextmanager
-def attention_backend(model):
-    """Route `model`'s attention through the skipkv backend for the duration of the block."""
-    register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(BACKEND)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
+# Registered when this module is imported, so that models.patches.routed finds it (models/ sits below attention).
+AttentionInterface.register(BACKEND, skipkv_attention)

@@ -226,8 +226,8 @@ def versions() -> dict[str, str | None]:
 
 def kernel_record() -> dict[str, Any]:
     """The kernel choices (skipkv.kernels) for the environment record every eval and benchmark JSON carries: what a
-    CPU run in bf16 (and fp32, for the linears' layout) gets here, and why. `kernel_plan` is what one loaded model
-    runs."""
+    CPU run in bf16 (and fp32, for the linears' layout) gets here, and why. A loaded model's own plan, as it runs,
+    is plan.py's (recorded as `kernel_plan`)."""
     env: dict[str, Any] = {}
     sdpa, why = kernels.decode_sdpa("cpu")
     pv, pv_why = kernels.decode_pv()
@@ -253,26 +253,9 @@ def kernel_record() -> dict[str, Any]:
     return env
 
 
-def kernel_plan(bundle: Any, enforce_eager: bool = False) -> dict[str, Any]:
-    """What a loaded model's forwards run, for its own dtype and device, as they run it: its linears as load_model
-    left them (`bundle.packed_linears`), and the decode attention, p.V and decode step that the engine resolves
-    for that dtype and device through the same skipkv.kernels functions. Eval runs record it as `kernel_plan`."""
-    dtype, device = bundle.dtype, bundle.device
-    attention, attention_why = kernels.decode_attention(dtype, device)
-    step, step_why = kernels.decode_step(dtype, device, enforce_eager)
-    sixteen = dtype.itemsize == 2
-    pv, pv_why = kernels.decode_pv() if sixteen else ("model", f"{dtype}: p.V in the model's own dtype")
-    return {"dtype": str(dtype).removeprefix("torch."), "device": str(device),
-            "linears": bundle.packed_linears or "torch's own",
-            "decode_attention": {"kernel": attention, "reason": attention_why},
-            "decode_pv": {"dtype": pv, "reason": pv_why,
-                          "key_buckets": sixteen and device.type == "cpu" and kernels.pv_buckets(dtype)[0]},
-            "decode_step": {"step": step, "reason": step_why}}
-
-
 def environment(dtype_choice: DtypeChoice | None = None, bundle: Any = None) -> dict[str, Any]:
     """The record every eval and benchmark JSON carries: revision, versions, machine, how the dtype was chosen, the
-    kernel choices here, and with `bundle` (a loaded model) the plan its forwards run (`kernel_plan`)."""
+    kernel choices here, and with `bundle` (a loaded model) the plan its forwards run (plan.py: `kernel_plan`)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     env: dict[str, Any] = {"git_revision": _git("rev-parse", "HEAD"),
                            "git_dirty": bool(status) if status is not None else None,
@@ -282,7 +265,7 @@ def environment(dtype_choice: DtypeChoice | None = None, bundle: Any = None) -> 
         env["dtype_choice"] = asdict(dtype_choice)
     env.update(kernel_record())
     if bundle is not None:
-        env["kernel_plan"] = kernel_plan(bundle)
+        env["kernel_plan"] = bundle.plan.record()
     env["allocator"] = dict(_allocator)
     return env
 

@@ -1,7 +1,7 @@
 """Kernel choices that follow the processor: decode attention, the p.V product and its key buckets, the linears'
 weight layout, and how a decode step runs. Each is a function returning (choice, reason), cached where it is called
 per layer, overridden by one environment variable, and recorded in every run's environment
-(`hardware.kernel_record`; a loaded model's own choices, as they run: `hardware.kernel_plan`).
+(`hardware.kernel_record`); a loaded model's choices are resolved from them once, into its frozen plan (plan.py).
 
     python -m skipkv.hardware            # the machine, `--dtype auto`'s pick and every choice below, with reasons
 
@@ -162,16 +162,6 @@ def cuda_sdpa_backends() -> tuple[tuple, str]:
     return _cuda_sdpa_backends(os.environ.get(CUDNN_SDPA_ENV))
 
 
-def sdpa_context(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """The context a forward on `device` runs in: on CUDA, SDPA limited to `cuda_sdpa_backends`; else nothing."""
-    backends = cuda_sdpa_backends()[0] if torch.device(device).type == "cuda" else ()
-    if not backends:
-        return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
-
-    return sdpa_kernel(list(backends))
-
-
 def decode_sdpa(device: torch.device | str = "cpu") -> tuple[bool, str]:
     """Whether a 16-bit decode step whose queries see every key runs torch's fused SDPA (True) or the engine's
     grouped fp32 attention (False) on this machine, and why (module docstring). Cached: called per layer."""
@@ -211,20 +201,13 @@ def decode_attention(dtype: torch.dtype, device: torch.device | str = "cpu") -> 
     return _decode_attention(dtype, torch.device(device).type, os.environ.get(SDPA_ENV))
 
 
-def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu",
-                enforce_eager: bool = False) -> tuple[str, str]:
+def decode_step(dtype: torch.dtype, device: torch.device | str = "cpu", packed: bool | None = None) -> tuple[str, str]:
     """How decode steps over a uniform store run (engine/step.py): "compiled" (the fixed-shape step through
     torch.compile), "eager" (the fixed-shape step, uncompiled) or "hf" (the HF modules with the skipkv attention
-    backend), and why. `SKIPKV_DECODE_STEP=compiled|eager|hf|graph` overrides ("graph": engine/graphs.py, the
-    fixed step replayed, CUDA graphs on CUDA; never chosen by default until measured on a GPU). `enforce_eager`
-    (EngineConfig.enforce_eager, vLLM's name) turns "compiled" and "graph" into "eager"."""
-    step, why = _decode_step(dtype, device)
-    if enforce_eager and step in ("compiled", "graph"):
-        return "eager", f"enforce_eager (else {step}: {why})"
-    return step, why
-
-
-def _decode_step(dtype: torch.dtype, device: torch.device | str) -> tuple[str, str]:
+    backend), and why. `packed`: whether the model's linears are oneDNN-packed (default: `packed_linears`, what
+    load_model applies here). `SKIPKV_DECODE_STEP=compiled|eager|hf|graph` overrides ("graph": engine/graphs.py,
+    the fixed step replayed, CUDA graphs on CUDA; never chosen by default until measured on a GPU).
+    `EngineConfig.enforce_eager` is applied by the plan (plan.KernelPlan.eager)."""
     forced = os.environ.get(STEP_ENV)
     if forced is not None:
         if forced not in ("compiled", "eager", "hf", "graph"):
@@ -242,7 +225,9 @@ def _decode_step(dtype: torch.dtype, device: torch.device | str) -> tuple[str, s
     # 7.9 to 9.1 (medians of 3 and 4 alternating pairs, docs/benchmarks.md), after ~22 s of compiling per process
     # (both batch graphs; vLLM compiles at start-up too). Elsewhere it gained at most the noise: eager there.
     # `EngineConfig.enforce_eager` (`--enforce-eager`) keeps the eager step, as vLLM's flag of that name.
-    if dtype == torch.float32 and packed_linears(dtype, device)[0]:
+    if packed is None:
+        packed = packed_linears(dtype, device)[0]
+    if dtype == torch.float32 and packed:
         if cxx_compiler() is None:
             return "eager", "fp32 on packed linears, but no C++ compiler for torch.compile (g++, or $CXX)"
         return "compiled", ("fp32 on packed linears (AVX2-only x86): the compiled fixed-shape step, measured faster "

@@ -28,14 +28,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from skipkv.attention import BACKEND, StepContext, attention_backend
+from skipkv.attention import BACKEND, StepContext
 from skipkv.config import SamplingParams, check_fields, knob
 from skipkv.engine.engine import new_request
 from skipkv.engine.request import Request
 from skipkv.engine.runner import NO_MASKS, ModelRunner
 from skipkv.errors import SkipKVError
-from skipkv.kernels import sdpa_context
 from skipkv.models import SUPPORTED_FAMILIES, ModelBundle, check_attention_layout
+from skipkv.models.patches import routed
 from skipkv.policies import Policy, make_policy
 
 GROW = 64  # entries a full layer grows by at once when a sequence outgrows it (no reallocation per token)
@@ -92,7 +92,7 @@ class KVPress:
         session = _Session(self, bundle)
         self._session = session
         try:
-            with attention_backend(model), sdpa_context(bundle.device), session.hooked(), torch.inference_mode():
+            with routed(model), bundle.plan.sdpa_context(), session.hooked(), torch.inference_mode():
                 yield self
         finally:
             self._session = None
@@ -178,7 +178,8 @@ class _Session:
         positions = torch.arange(r.fed, r.fed + T, device=ids.device)[None]
         self._grow(T)
         store = self.runner.store
-        ctx = StepContext(store, 0, torch.tensor([T]), positions, self.runner.queries, "attn" in store.aux_names)
+        ctx = StepContext(store, 0, torch.tensor([T]), positions, self.runner.queries, "attn" in store.aux_names,
+                          plan=self.runner.plan)
         self.runner.cache.bind(0, positions)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache", "attention_mask")}
         kwargs.update(input_ids=ids, position_ids=positions, cache=self.runner.cache, use_cache=True,

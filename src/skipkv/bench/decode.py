@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from skipkv.attention import attention_backend
 from skipkv.config import MAX_TOKENS, TOKENS_WHY, SamplingParams, check_fields, knob
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
+from skipkv.models.patches import routed
 from skipkv.outputs import check_file, write_atomic
 
 QUESTION = "Solve step by step: a train leaves at noon at 60 km/h; when has it covered 150 km?"
@@ -104,7 +104,7 @@ def bench_policies(bundle, policies: list, prompt: str | list[int], lengths: lis
     total = max(lengths)
     labels = labels or [type(p).__name__ for p in policies]
     lanes = [_Lane(bundle, n, p, prompt, total, batch_size) for n, p in zip(labels, policies)]
-    with attention_backend(bundle.model), torch.inference_mode():
+    with routed(bundle.model), torch.inference_mode():
         for lane in lanes:
             lane.prefill()
         for _ in tqdm(range(total - 1), desc="decode steps", unit="step", disable=not progress, dynamic_ncols=True):

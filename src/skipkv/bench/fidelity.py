@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from skipkv.attention import attention_backend
 from skipkv.config import SamplingParams
 from skipkv.engine import make_requests
 from skipkv.engine.runner import ModelRunner
 from skipkv.engine.shared import branch, capture_window, prefill_full, shares_prefill
 from skipkv.errors import SkipKVError
+from skipkv.models.patches import routed
 
 QUERY_MODES = ("decode", "heldout", "window")
 
@@ -130,7 +130,7 @@ def fidelity_one(bundle, ids: list[int], policies: dict, window: int, needle: li
     P = len(prefix)
     layers = bundle.model.model.layers
     shared = max(window, capture_window([p for p in policies.values() if shares_prefill(p)]))
-    with attention_backend(bundle.model), torch.inference_mode():
+    with routed(bundle.model), torch.inference_mode():
         sampling = SamplingParams(max_new_tokens=fed + 1, ignore_eos=True)
         full, req, first = prefill_full(bundle, prefix, max(shared, fed), sampling)
         # Every policy compresses a copy of the prompt prefill BEFORE the full runner decodes on.

@@ -17,6 +17,7 @@ from skipkv.cache import KVStore
 from skipkv.cache.store import to_device
 from skipkv.engine.request import Request
 from skipkv.engine.trace import RequestTrace, token_texts
+from skipkv.plan import KernelPlan
 from skipkv.policies.base import Observation, Policy
 
 
@@ -26,6 +27,7 @@ class Compression:
     store: KVStore
     queries: QueryBuffer | None
     model: Any  # the HF causal LM (a policy may run its own forward over copies of what it observes: KVzip)
+    plan: KernelPlan  # its kernel plan (plan.py), enforce_eager applied
     layers: Any  # the model's decoder layers (their attention modules are what policies may read)
     tokenizer: Any
     trace: bool
@@ -126,5 +128,5 @@ class Compression:
         return Observation(layer=model_layer, keys=store.k[layer][slots, :, :n], values=store.v[layer][slots, :, :n],
                            positions=store.pos[layer][slots, :, :n], queries=queries, attn=attn,
                            module=self.layers[model_layer].self_attn, is_prefill=is_prefill, states=states,
-                           kv_head=kv_head, model=self.model)
+                           kv_head=kv_head, model=self.model, plan=self.plan)
 

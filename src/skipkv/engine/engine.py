@@ -13,7 +13,8 @@ and the prefilling group (if any) runs one prompt chunk (`prefill_chunk` tokens 
 long prompts entering do not stall the requests already decoding for more than one chunk per step. With
 `share_prefix`, a prompt prefix that the whole group shares is prefilled once for all of it (runner.py).
 `generate()` is a loop over this engine. While an Engine is open, its model runs the skipkv attention
-backend (one open Engine per model; `close()` restores it and removes the steering hook).
+backend and unpadded MLPs (one open Engine per model); `close()` removes every change it made to the model
+(models/patches.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from skipkv.attention import BACKEND, attention_backend
 from skipkv.config import EngineConfig, SamplingParams
 from skipkv.engine.detokenize import TextStream
 from skipkv.engine.request import Request, RequestResult, budget_force, encode_prompt, eos_ids, percentile
 from skipkv.engine.runner import ModelRunner
 from skipkv.engine.scheduler import Scheduler
 from skipkv.errors import SkipKVError
+from skipkv.models.patches import ModelPatches
 from skipkv.policies import Policy, make_policy
 from skipkv.steering.hook import ResidualAdd
 
@@ -144,27 +145,28 @@ class Engine:
         self.bundle = bundle
         self.policy = policy or make_policy("full")
         self.config = config or EngineConfig()
-        if getattr(bundle.model.config, "_attn_implementation", None) == BACKEND:
-            raise SkipKVError("another Engine is open on this model; close it first")
-        # An explicit steering factory, else the policy's own hook (SkipKV / SEAL with a steering file), if any.
-        self.hook = steering(bundle.model) if steering is not None else self.policy.steering_hook(bundle)
+        # Every change to the model (models/patches.py) goes through this one object, removed by close().
+        self.patches = ModelPatches(bundle.model)
+        self.patches.route_attention()  # refused where another Engine (or a press) is open on the model
         try:
+            # An explicit steering factory, else the policy's own hook (SkipKV / SEAL with a steering file), if any.
+            self.hook = steering(bundle.model) if steering is not None else self.policy.steering_hook(bundle)
+            if self.hook is not None:
+                self.patches.steer(self.hook)
             self.runner = ModelRunner(bundle, self.policy, num_slots=0, prefill_chunk=self.config.prefill_chunk,
                                       steering=self.hook, trace=trace, kv_memory=self.config.kv_memory,
                                       share_prefix=self.config.share_prefix,
                                       unpad_prefill=self.config.unpad_prefill,
-                                      enforce_eager=self.config.enforce_eager)
+                                      enforce_eager=self.config.enforce_eager, patches=self.patches)
         except BaseException:
-            if self.hook is not None:  # a refused policy must not leave the hook on the model
-                self.hook.remove()
+            self.patches.close()  # a refused policy must leave the model as it was
             raise
+        self.plan = self.runner.plan  # every kernel this engine's forwards run (plan.py), enforce_eager applied
         self.scheduler = Scheduler(self.config, self.runner.memory)
         self._eos = eos_ids(bundle)
         self._next_index = 0
         self._live: dict[str, Request] = {}  # request_id -> request, waiting or holding a slot
         self._generated = 0
-        self._backend = attention_backend(bundle.model)
-        self._backend.__enter__()
         self._closed = False
 
     # ------------------------------------------------------------------------------------ requests
@@ -274,13 +276,12 @@ class Engine:
                            prefill_tokens=prefill_tokens, step_seconds=step_seconds)
 
     def close(self) -> None:
-        """Restore the model's attention and remove the steering hook (idempotent)."""
+        """Remove every change this engine made to the model: attention, unpadded MLPs, steering hook
+        (models/patches.py; idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._backend.__exit__(None, None, None)
-        if self.hook is not None:
-            self.hook.remove()
+        self.patches.close()
 
     def __enter__(self) -> Engine:
         return self

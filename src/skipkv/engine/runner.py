@@ -32,8 +32,8 @@ from skipkv.engine.request import Request
 from skipkv.engine.sampler import sample
 from skipkv.engine.step import FixedStep
 from skipkv.errors import SkipKVError
-from skipkv.kernels import decode_pv, decode_step, sdpa_context
 from skipkv.models import unpad
+from skipkv.models.patches import ModelPatches
 from skipkv.policies.base import Policy
 from skipkv.steering.hook import ResidualAdd
 
@@ -44,15 +44,20 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 class ModelRunner(Compression):
     def __init__(self, bundle, policy: Policy, num_slots: int = 0, prefill_chunk: int = 0,
                  steering: ResidualAdd | None = None, trace: bool = False, kv_memory: int = 0,
-                 share_prefix: int = 0, unpad_prefill: bool = True, enforce_eager: bool = False) -> None:
+                 share_prefix: int = 0, unpad_prefill: bool = True, enforce_eager: bool = False,
+                 patches: ModelPatches | None = None) -> None:
         """`policy`: what to capture for (queries, attention sums, hidden states); each request brings its own
         (Request.policy, of this policy's type). `kv_memory`: the cap its KVMemory admits under (0 = none).
         `share_prefix`: EngineConfig.share_prefix (see `shared_prefix`). `unpad_prefill`:
-        EngineConfig.unpad_prefill (models/unpad.py). Decode steps over a uniform store run as
-        kernels.decode_step says (the HF modules, engine/step.py's fixed step eager or compiled, or engine/graphs.py's
-        replayed one), eager where `enforce_eager` (EngineConfig.enforce_eager)."""
+        EngineConfig.unpad_prefill (models/unpad.py), the MLPs unpadded through `patches` (the Engine's
+        models/patches.ModelPatches; by default one of the runner's own, never removed). Every kernel follows the
+        model's plan (`bundle.plan`, plan.py): decode steps over a uniform store run as its `step` says (the HF
+        modules, engine/step.py's fixed step eager or compiled, or engine/graphs.py's replayed one), eager where
+        `enforce_eager` (EngineConfig.enforce_eager)."""
         self.model = bundle.model
-        self.unpad_prefill = unpad_prefill and unpad.install(bundle.model) > 0
+        self.plan = bundle.plan.eager(enforce_eager)
+        self.patches = patches or ModelPatches(bundle.model)
+        self.unpad_prefill = unpad_prefill and self.patches.unpad_mlps() > 0
         self.tokenizer = bundle.tokenizer
         self.prefill_chunk = prefill_chunk
         self.share_prefix = share_prefix
@@ -87,10 +92,10 @@ class ModelRunner(Compression):
         self.compressions = 0  # rows compressed, cumulative
         self.compress_seconds = 0.0  # wall time in compress(), cumulative (aborted requests' share included)
         self._reshape_due = True  # something changed what the store must hold since the last fit()
-        mode = decode_step(bundle.dtype, bundle.device, enforce_eager)[0]
+        mode = self.plan.step.value
         self.fixed: FixedStep | GraphStep | None = None
         if mode != "hf":
-            fixed = FixedStep(bundle.model, decode_pv()[0] == "model", compile=mode == "compiled",
+            fixed = FixedStep(bundle.model, self.plan, compile=mode == "compiled",
                               bucket_keys=mode == "graph")
             self.fixed = GraphStep(fixed) if mode == "graph" else fixed
         self._fitted_exact: bool | None = None
@@ -103,10 +108,11 @@ class ModelRunner(Compression):
     # ------------------------------------------------------------------------------------ forwards
     def _forward(self, start: int, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """One forward of rows [start, start+B): ids/positions [B, T]; real [B] host. Returns hidden [B, T, E]."""
-        ctx = StepContext(self.store, start, real, positions, self.queries, "attn" in self.store.aux_names)
+        ctx = StepContext(self.store, start, real, positions, self.queries, "attn" in self.store.aux_names,
+                          plan=self.plan)
         self.cache.bind(start, positions)
         index = unpad.padding_index(real, ids.shape[1]) if self.unpad_prefill else None
-        with unpad.real_positions(None if index is None else to_device(index, ids.device)), sdpa_context(ids.device):
+        with unpad.real_positions(None if index is None else to_device(index, ids.device)), self.plan.sdpa_context():
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS,
                                    cache=self.cache, use_cache=True, skipkv_ctx=ctx)
         self.store.advance(start, real)

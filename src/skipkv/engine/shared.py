@@ -32,13 +32,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from skipkv.attention import QueryBuffer, attention_backend
+from skipkv.attention import QueryBuffer
 from skipkv.cache import KVStore, SlotCache
 from skipkv.config import SamplingParams
 from skipkv.engine.engine import finish_reason, make_result
 from skipkv.engine.request import Request, RequestResult, budget_force
 from skipkv.engine.runner import ModelRunner
 from skipkv.errors import SkipKVError
+from skipkv.models.patches import routed
 from skipkv.policies import Policy, make_policy
 
 
@@ -125,7 +126,7 @@ def generate_shared(bundle, ids: list[int], sampling: SamplingParams, policies: 
         raise SkipKVError(f"policy {refused[0]} cannot continue from a shared prefill "
                           "(it needs the prefill's hidden states or a steering hook)")
     results: list[RequestResult] = []
-    with attention_backend(bundle.model), torch.inference_mode():
+    with routed(bundle.model), torch.inference_mode():
         t0 = time.perf_counter()
         attn = any("attn" in p.requirements() for p in policies)
         full, _, first = prefill_full(bundle, ids, capture_window(policies), sampling, attn=attn)

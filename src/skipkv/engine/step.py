@@ -38,6 +38,7 @@ import torch
 from skipkv import attention
 from skipkv.cache.store import to_device
 from skipkv.kernels import key_bucket
+from skipkv.plan import KernelPlan
 
 
 def _rms(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -63,10 +64,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class FixedStep:
     """The decode step over a uniform store (module docstring). Call `supports` first; `compiled` wraps it."""
 
-    def __init__(self, model: Any, pv_in_model_dtype: bool, compile: bool = False,
+    def __init__(self, model: Any, plan: KernelPlan, compile: bool = False,
                  bucket_keys: bool = False) -> None:
-        """`pv_in_model_dtype`: p.V takes the probabilities rounded to the model's 16-bit dtype
-        (kernels.decode_pv "model"), else in fp32. `compile`: run through torch.compile(fullgraph=True).
+        """`plan`: the model's kernel plan (plan.py); its `pv` says whether a 16-bit p.V takes the probabilities
+        rounded to the model's dtype ("model") or the values converted to fp32. `compile`: run through
+        torch.compile(fullgraph=True).
         `bucket_keys`: attend over `kernels.key_bucket` of the longest row's keys (a few extents, for a captured
         graph) instead of exactly its keys (the same extent as the HF step, hence its bits on a CPU)."""
         self.model: Any = model  # a transformers causal LM of a supported family
@@ -74,7 +76,8 @@ class FixedStep:
         self.num_heads: int = int(cfg.num_attention_heads)
         self.num_kv_heads: int = int(cfg.num_key_value_heads)
         self.head_dim: int = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.pv_in_model_dtype = pv_in_model_dtype
+        self.plan = plan
+        self.pv_fp32 = plan.pv_fp32  # a plain bool for the compiled graph to guard on
         self.bucket_keys = bucket_keys
         self.compiled = compile
         self._layer_fn: Callable[..., torch.Tensor] = self._layer
@@ -191,8 +194,8 @@ class FixedStep:
             received = probs.sum(dim=2)  # [B, H, K]
             attn[:B, :, :extent] += received if real is None else received * real[:, None, None]
         if not self.compiled:  # the HF step's own product (key buckets for a 16-bit p.V on a CPU included)
-            o = attention._probs_times_values(probs.view(B, H, G, extent), vc, v_store[:B])
-        elif vc.dtype in (torch.float32, torch.float64) or not self.pv_in_model_dtype:
+            o = attention._probs_times_values(probs.view(B, H, G, extent), vc, self.plan, v_store[:B])
+        elif vc.dtype in (torch.float32, torch.float64) or self.pv_fp32:
             o = torch.matmul(probs, vc.to(probs.dtype)).to(vc.dtype)
         else:
             o = torch.matmul(probs.to(vc.dtype), vc)

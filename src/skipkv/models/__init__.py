@@ -19,7 +19,7 @@ import torch
 
 from skipkv.errors import SkipKVError
 from skipkv.hardware import DtypeChoice, resolve_auto, tune_allocator
-from skipkv.kernels import packed_linears, transposed_linears, upcast_linears
+from skipkv.plan import KernelPlan
 
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -37,9 +37,15 @@ class ModelBundle:
     name: str
     family: str
     dtype_choice: DtypeChoice | None = None  # set when the dtype was "auto": what it picked here, and why
-    # how the linears multiply (models/packed.py: prepacked, upcast to fp32, transposed, or plain) and why
-    # (kernels.packed_linears, kernels.upcast_linears, kernels.transposed_linears)
-    packed_linears: str = ""
+    # every kernel choice its forwards make, resolved once (plan.py); load_model applies its linears
+    # (models/patches.py). None: the plan of the model as it is (a transformers model loaded elsewhere).
+    plan: KernelPlan = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            from skipkv.models.patches import linears_of
+
+            self.plan = KernelPlan.resolve(self.dtype, self.device, linears=linears_of(self.model))
 
     @property
     def config(self):
@@ -231,20 +237,10 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 
 
 def _bundle(model: Any, tokenizer: Any, name: str, family: str, choice: DtypeChoice | None) -> ModelBundle:
-    """The bundle, with the linears prepacked, upcast or transposed where that is faster (kernels.packed_linears,
-    kernels.upcast_linears, kernels.transposed_linears)."""
-    from skipkv.models import packed
+    """The bundle, with its kernel plan resolved once (plan.py) and its linears replaced as the plan says
+    (models/patches.apply_linears: prepacked, upcast or transposed where that is faster)."""
+    from skipkv.models.patches import apply_linears
 
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    pack, why = packed_linears(dtype, device)
-    if pack:
-        fused, count = packed.pack_linears(model)
-        why = f"{count} linears prepacked, {fused} fused q/k/v and gate/up products: {why}"
-    else:
-        upcast, up_why = upcast_linears(dtype, device)
-        transposed, tr_why = transposed_linears(dtype, device)
-        if upcast:
-            why = f"{packed.upcast_linears(model)} linears upcast to fp32: {up_why}"
-        elif transposed:
-            why = f"{packed.transpose_linears(model)} linears stored (in, out): {tr_why}"
-    return ModelBundle(model, tokenizer, name, family, choice, why)
+    param = next(model.parameters())
+    plan = apply_linears(model, KernelPlan.resolve(param.dtype, param.device))
+    return ModelBundle(model, tokenizer, name, family, choice, plan)

@@ -2,7 +2,7 @@
 whose oneDNN has no bf16 matmul, multiplied in fp32 on weights upcast once (UpcastLinear); or, for an fp32 model on
 a CPU where MKL's sgemm is faster that way, stored transposed (TransposedLinear, kernels.transposed_linears).
 
-    python -c "from skipkv.models import load_model; print(load_model('random:qwen2', dtype='bf16').packed_linears)"
+    python -c "from skipkv.models import load_model; print(load_model('random:qwen2', dtype='bf16').plan.linears)"
 
 `torch.nn.functional.linear` in bf16 on a CPU hands the weight to oneDNN, which reorders it into its blocked layout
 on every call; `torch.ops.mkldnn._reorder_linear_weight` does that once, and `_linear_pointwise` multiplies with
@@ -105,6 +105,7 @@ class FusedLinear(PackedLinear):
         weight = torch.cat([lin.weight.detach() for lin in linears])
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         biases = [lin.bias for lin in linears]
+        self.had_bias = tuple(b is not None for b in biases)  # models/patches.restore_linears gives back just these
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.nn.Parameter(torch.cat([weight.new_zeros(lin.out_features) if b is None else b.detach()
@@ -183,6 +184,7 @@ class TransposedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, keep_dense: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_dtype = linear.weight.dtype  # the dense weight's (models/patches.restore_linears)
         self.weight32_t = linear.weight.detach().float().t().contiguous()
         self.bias32 = None if linear.bias is None else linear.bias.detach().float()
         self.bias = linear.bias

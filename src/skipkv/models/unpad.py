@@ -14,14 +14,13 @@ shape), as a different batch does: in fp64 the results agree to ~1e-16 and the t
 (tests/test_unpad.py); in 16-bit dtypes a row can round differently, so EngineConfig.unpad_prefill is part of a
 16-bit eval run's identity.
 
-    install(model)                       # once per model: wraps each layer's `mlp.forward`
+    ModelPatches(model).unpad_mlps()     # models/patches.py: wraps each layer's `mlp.forward` until close()
     with real_positions(index): ...      # index: flat positions (b * T + t) of the real tokens
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 
 _REAL: ContextVar[torch.Tensor | None] = ContextVar("skipkv_real_positions", default=None)
-_MARK = "_skipkv_unpadded"
 
 
 @contextlib.contextmanager
@@ -52,7 +50,7 @@ def padding_index(real: torch.Tensor, T: int) -> torch.Tensor | None:
     return keep.flatten().nonzero().squeeze(1)
 
 
-def _unpadded_forward(self: torch.nn.Module, x: torch.Tensor) -> Any:
+def unpadded_forward(self: torch.nn.Module, x: torch.Tensor) -> Any:
     """An installed MLP's forward (bound to the module): its class's own forward, on the real positions only
     inside `real_positions`. Bound with types.MethodType, so a deep copy of the model binds it to the copy."""
     forward = type(self).forward
@@ -65,19 +63,3 @@ def _unpadded_forward(self: torch.nn.Module, x: torch.Tensor) -> Any:
     out = y.new_zeros(B * T, y.shape[-1])
     out.index_copy_(0, index, y)
     return out.view(B, T, -1)
-
-
-def install(model: Any) -> int:
-    """Wrap the `mlp` of every decoder layer of `model` (a transformers causal LM) whose MLP is dense (its class
-    name ends in "MLP": a mixture of experts returns router logits too, and is left as it is); returns how many.
-    Idempotent. Outside `real_positions` a wrapped MLP computes exactly what it did."""
-    count = 0
-    for layer in model.model.layers:
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None or not type(mlp).__name__.endswith("MLP"):
-            continue
-        if not getattr(mlp, _MARK, False):
-            mlp.forward = types.MethodType(_unpadded_forward, mlp)
-            setattr(mlp, _MARK, True)
-        count += 1
-    return count

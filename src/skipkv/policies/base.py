@@ -56,6 +56,7 @@ class Observation:
     states: list | None = None  # per-request policy state (see Policy.init_state), one per row
     kv_head: int | None = None  # head-split stores: the one kv head observed (keys [b, 1, n, D], queries its group)
     model: Any = None  # the HF causal LM, for a policy that runs its own forward over copies of the cache (KVzip)
+    plan: Any = None  # that model's kernel plan (plan.KernelPlan), for such a forward
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from skipkv.attention import BACKEND, StepContext, attention_backend
+from skipkv.attention import StepContext
 from skipkv.cache import KVStore, SlotCache
 from skipkv.config import knob
 from skipkv.errors import SkipKVError
+from skipkv.models.patches import is_routed, routed
 from skipkv.policies import POLICIES
 from skipkv.policies.base import Observation, Policy
 from skipkv.policies.laprox import model_wide_select
@@ -109,12 +110,13 @@ RECON_BLOCK_BYTES = 128 << 20
 
 
 def reconstruct(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
-                ids: list[int]) -> list[torch.Tensor]:
+                ids: list[int], plan: Any = None) -> list[torch.Tensor]:
     """Feed `ids` (T tokens, positions start..start+T-1) through `model` over a temporary one-slot store holding
     copies of keys/values [1, H, P, D] per layer, in forwards of at most RECON_BLOCK_BYTES of logits. Returns per
     layer [H, P]: the most probability each prompt entry got from any of the T queries and the kv head's query
     heads, each query's softmax over the prompt and the reconstruction up to itself (the forwards' own attention,
-    attention.StepContext.max_probs). The store goes when this returns."""
+    attention.StepContext.max_probs), under the model's kernel `plan` (plan.py; None: its dtype's and device's
+    now). The store goes when this returns."""
     L, (_, H, P, D), T = len(keys), keys[0].shape, len(ids)
     device, dtype = keys[0].device, keys[0].dtype
     store = KVStore(L, 1, H, D, P + T, dtype, device)
@@ -127,13 +129,12 @@ def reconstruct(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor]
     step = max(1, RECON_BLOCK_BYTES // logit_bytes)
     best: list[torch.Tensor] = []
     # The engine compresses inside its own backend block; a policy driven otherwise gets one for this forward.
-    routed = model.config._attn_implementation == BACKEND
-    with contextlib.nullcontext() if routed else attention_backend(model), torch.no_grad():
+    with contextlib.nullcontext() if is_routed(model) else routed(model), torch.no_grad():
         for t0 in range(0, T, step):
             n = min(step, T - t0)
             pos = torch.arange(start + t0, start + t0 + n, device=device)[None]
             cache.bind(0, pos)
-            ctx = StepContext(store, 0, torch.tensor([n]), pos, max_probs={})
+            ctx = StepContext(store, 0, torch.tensor([n]), pos, max_probs={}, plan=plan)
             model.model(input_ids=torch.tensor([ids[t0:t0 + n]], device=device), position_ids=pos,
                         attention_mask=NO_MASKS, cache=cache, use_cache=True, skipkv_ctx=ctx)
             store.advance(0, torch.tensor([n]))
@@ -231,7 +232,7 @@ class KVzip(Policy):
         else:
             scores = []
             for ids in states[0].inputs:
-                got = reconstruct(model, keys, values, start, ids)
+                got = reconstruct(model, keys, values, start, ids, obs[0].plan)
                 scores = got if not scores else [torch.maximum(a, b) for a, b in zip(scores, got)]
             _LAST[:] = [(key, scores)]
         return [s[h] for s in scores for h in range(H)]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from skipkv.cache.store import to_device
+from skipkv.models.patches import steering_hook
 
 
 class ResidualAdd:
@@ -27,7 +28,7 @@ class ResidualAdd:
         self.coef, self.gate = coef, gate
         self.layer = layer
         self.scale: torch.Tensor | None = None  # [B] coefficient per row for the next forward (0 = closed)
-        self.handle = layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.handle = steering_hook(layers[layer], self._hook)  # models/patches.py; an Engine owns its removal
 
     def prepare(self, tokens: torch.Tensor, states: list) -> None:
         """Set the per-row scale for the next forward from each request's current token (host tensor [B]) and state."""
