@@ -119,12 +119,14 @@ def _changes(model) -> dict:
             "pre_hooks": sum(len(layer._forward_pre_hooks) for layer in layers)}
 
 
-def test_an_engine_removes_every_change_it_made(tiny):
+def test_an_engine_removes_every_change_it_made():
     """Open, an Engine routes attention, unpads the MLPs and holds its steering hook; closed (or refused), the model
-    is as it was."""
+    is as it was. A model of its own: MLPs unpadded by a bare ModelRunner elsewhere stay as that runner left them."""
     from skipkv.steering.hook import ResidualAdd
 
+    tiny = load_model("random:qwen2", dtype="fp64")
     before = _changes(tiny.model)
+    assert before == {"attention": "sdpa", "mlp_forwards": 0, "pre_hooks": 0}
     vec = torch.zeros(tiny.model.config.hidden_size, dtype=torch.float64)
     eng = Engine(tiny, make_policy("full"), steering=lambda m: ResidualAdd(m, layer=1, vector=vec, coef=lambda s: 0.0))
     opened = _changes(tiny.model)
