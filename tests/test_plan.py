@@ -175,6 +175,8 @@ def test_restore_linears_gives_back_the_models_linears(monkeypatch, kind):
         restored = model(ids).logits
         assert torch.equal(restored, reference(ids).logits)
     torch.testing.assert_close(restored, replaced, rtol=2e-2, atol=2e-2)  # other kernels: rounding only
+    with pytest.raises(SkipKVError, match="linears must be one of"):
+        apply_linears(model, dataclasses.replace(bundle.plan, linears=Choice("int8", "test")))
 
 
 def test_a_model_loaded_elsewhere_gets_the_plan_of_its_linears(monkeypatch, tiny):

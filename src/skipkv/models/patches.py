@@ -41,7 +41,7 @@ from skipkv.models.packed import (
     transpose_linears,
     upcast_linears,
 )
-from skipkv.plan import Choice, KernelPlan
+from skipkv.plan import LINEARS, Choice, KernelPlan
 
 BACKEND = "skipkv"  # the attention implementation's name in transformers' AttentionInterface
 _UNPADDED = "_skipkv_unpadded"
@@ -52,6 +52,8 @@ def apply_linears(model: Any, plan: KernelPlan) -> KernelPlan:
     """Replace `model`'s linears as `plan.linears` says, in place; returns the plan with what was done (counts)
     in its reason, which is what runs."""
     kind, why = plan.linears.value, plan.linears.reason
+    if kind not in LINEARS:
+        raise SkipKVError(f"linears must be one of {', '.join(LINEARS)}, got {kind!r}")
     if kind == "packed":
         fused, count = pack_linears(model)
         why = f"{count} linears prepacked, {fused} fused q/k/v and gate/up products: {why}"
