@@ -41,6 +41,7 @@ from skipkv.models.packed import (
     transpose_linears,
     upcast_linears,
 )
+from skipkv.models.unpad import unpadded_forward
 from skipkv.plan import LINEARS, Choice, KernelPlan
 
 BACKEND = "skipkv"  # the attention implementation's name in transformers' AttentionInterface
@@ -169,8 +170,6 @@ class ModelPatches:
         """Make each dense decoder MLP (class name ending in "MLP"; a mixture of experts is left as it is) run on
         the real positions only inside `unpad.real_positions`, until close(); returns how many are (idempotent:
         MLPs already unpadded by another holder are counted, not wrapped again nor unwrapped here)."""
-        from skipkv.models.unpad import unpadded_forward
-
         count = 0
         for layer in self.model.model.layers:
             mlp = getattr(layer, "mlp", None)
