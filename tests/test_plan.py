@@ -181,14 +181,16 @@ def test_restore_linears_gives_back_the_models_linears(monkeypatch, kind):
 
 def test_a_model_loaded_elsewhere_gets_the_plan_of_its_linears(monkeypatch, tiny):
     """A bundle around a transformers model skipkv did not load (a press) plans for its linears as they are: torch's,
-    so no compiled step over unpacked linears; a skipkv-loaded model handed back says what it holds."""
+    so the eager step, not the compiled one (which is for fp32 on packed linears); a skipkv-loaded model handed
+    back says what it holds, and keeps its compiled step."""
     monkeypatch.setenv(kernels.PACK_ENV, "1")
-    monkeypatch.setenv(kernels.STEP_ENV, "eager")
+    monkeypatch.setenv(kernels.SDPA_ENV, "0")  # the fixed step runs where the decode attention is the grouped one
+    monkeypatch.delenv(kernels.STEP_ENV, raising=False)
+    monkeypatch.setattr(kernels, "cxx_compiler", lambda: "/usr/bin/g++")
     assert ModelBundle(tiny.model, tiny.tokenizer, "x", "qwen2").plan.linears.value == "torch"
-    monkeypatch.delenv(kernels.STEP_ENV)
     loaded = load_model("random:qwen2", dtype="fp32")
-    assert loaded.plan.linears.value == "packed"
+    assert loaded.plan.linears.value == "packed" and loaded.plan.step.value == "compiled"
     again = ModelBundle(loaded.model, loaded.tokenizer, "x", "qwen2")
     assert again.plan.linears.value == "packed" and again.plan.step == loaded.plan.step
     foreign = KernelPlan.resolve(torch.float32, "cpu", linears=linears_of(tiny.model))
-    assert foreign.step.value != "compiled"  # compiled is for fp32 on packed linears only
+    assert foreign.linears.value == "torch" and foreign.step.value == "eager"

@@ -235,18 +235,15 @@ def kernel_record() -> dict[str, Any]:
     env["decode_attention_cpu"] = {"kernel": "sdpa" if sdpa else "grouped", "reason": why,
                                    "pv": pv, "pv_reason": pv_why,
                                    "pv_key_buckets_bf16": buckets, "pv_key_buckets_reason": buckets_why}
-    packed, why = kernels.packed_linears(torch.bfloat16, "cpu")
-    env["packed_linears_cpu_bf16"] = {"packed": packed, "reason": why}
-    upcast, why = kernels.upcast_linears(torch.bfloat16, "cpu")
-    env["upcast_linears_cpu_bf16"] = {"upcast": upcast, "reason": why}
-    transposed, why = kernels.transposed_linears(torch.float32, "cpu")
-    env["transposed_linears_cpu_fp32"] = {"transposed": transposed, "reason": why}
-    packed, why = kernels.packed_linears(torch.float32, "cpu")
-    env["packed_linears_cpu_fp32"] = {"packed": packed, "reason": why}
-    step, why = kernels.decode_step(torch.bfloat16, "cpu")
-    env["decode_step_cpu_bf16"] = {"step": step, "reason": why}
-    step, why = kernels.decode_step(torch.float32, "cpu")
-    env["decode_step_cpu_fp32"] = {"step": step, "reason": why}
+    for key, field, decide, dtype in (
+            ("packed_linears_cpu_bf16", "packed", kernels.packed_linears, torch.bfloat16),
+            ("upcast_linears_cpu_bf16", "upcast", kernels.upcast_linears, torch.bfloat16),
+            ("transposed_linears_cpu_fp32", "transposed", kernels.transposed_linears, torch.float32),
+            ("packed_linears_cpu_fp32", "packed", kernels.packed_linears, torch.float32),
+            ("decode_step_cpu_bf16", "step", kernels.decode_step, torch.bfloat16),
+            ("decode_step_cpu_fp32", "step", kernels.decode_step, torch.float32)):
+        value, why = decide(dtype, "cpu")
+        env[key] = {field: value, "reason": why}
     if torch.cuda.is_available():
         backends, why = kernels.cuda_sdpa_backends()
         env["sdpa_cuda"] = {"backends": [b.name for b in backends] or "torch's choice", "reason": why}
